@@ -1,0 +1,51 @@
+"""gptrain command line.
+
+    gptrain train --config configs/debug.toml            # one process
+    torchrun --nproc_per_node=2 -m gptrain train ...      # one machine, two processes
+    gptrain prepare --input a.txt --out data/my --tokenizer byte
+    gptrain sample --run runs/debug --prompt "ROMEO:"
+    gptrain bench --config configs/bench.toml
+    gptrain plot --run runs/debug
+    gptrain tokenizer train --input a.txt --vocab-size 4096 --out tok.json
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from gptrain.errors import UserError
+
+# subcommand -> module whose main(argv) -> int implements it
+COMMANDS = {
+    "train": "gptrain.train",
+    "prepare": "gptrain.prepare",
+    "sample": "gptrain.sample",
+    "bench": "gptrain.bench",
+    "plot": "gptrain.plot",
+    "tokenizer": "gptrain.tokenizers",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\ncommands: " + ", ".join(COMMANDS))
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"gptrain: error: unknown command {cmd!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return importlib.import_module(COMMANDS[cmd]).main(rest) or 0
+    except UserError as e:
+        print(f"gptrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gptrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
