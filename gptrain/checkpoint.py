@@ -1,0 +1,127 @@
+"""Checkpoints: one folder per step, written atomically, found through `latest`.
+
+Layout (a contract, see README):
+
+    run.dir/checkpoints/
+      step_00000100/
+        model.safetensors   unwrapped model weights (no `module.` / `_orig_mod.` prefixes)
+        state.pt            {optimizer, data, train_state (step, RNG of every rank, ...)}
+        meta.json           readable: step, model config, tokenizer identity, tokens seen, ...
+      latest                name of the newest complete checkpoint folder
+
+A checkpoint is written into `.tmp-step_XXXXXXXX`, each file fsynced, then renamed into place and
+only then named in `latest` (itself replaced atomically). A crash at any point leaves either the
+previous complete checkpoint or the new complete one: never a half-written folder that resume sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptrain.errors import UserError
+
+STEP_PREFIX = "step_"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def save(run_dir: str | Path, step: int, model_state: dict, meta: dict, state: dict | None = None) -> Path:
+    """Write checkpoint `step` under run_dir/checkpoints atomically and point `latest` at it.
+
+    model_state: the unwrapped model's state dict (tensors); meta: JSON-able facts;
+    state: anything torch.save can hold (optimizer, data cursor, train state incl. RNG).
+    """
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_dir_name(step)
+    final, tmp = root / name, root / f".tmp-{name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    bad = [k for k in model_state if k.startswith(("module.", "_orig_mod.")) or "._orig_mod." in k]
+    if bad:
+        raise ValueError(f"wrapper prefix in model state key {bad[0]!r}: save the unwrapped model")
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+    save_file(tensors, str(tmp / "model.safetensors"))
+    _fsync_file(tmp / "model.safetensors")
+    if state is not None:
+        torch.save(state, tmp / "state.pt")
+        _fsync_file(tmp / "state.pt")
+    _fsync_write(tmp / "meta.json", (json.dumps({"step": step, **meta}, indent=2) + "\n").encode())
+    if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_write(root / ".latest.tmp", (name + "\n").encode())
+    os.replace(root / ".latest.tmp", root / "latest")
+    return final
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint folder of a run, or None when there is none."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / "meta.json").is_file() or not (path / "model.safetensors").is_file():
+        raise UserError(f"{pointer} names {path.name}, which is incomplete or missing; delete {pointer} or restore the folder")
+    return path
+
+
+def find(run_dir: str | Path, step: int | None = None) -> Path:
+    """The checkpoint of `step`, or the latest one; a clear UserError when there is none."""
+    if step is None:
+        path = latest(run_dir)
+        if path is None:
+            raise UserError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train first or pass --run with a trained run directory")
+        return path
+    path = Path(run_dir) / "checkpoints" / step_dir_name(step)
+    if not (path / "meta.json").is_file():
+        raise UserError(f"no checkpoint for step {step} in {Path(run_dir) / 'checkpoints'}")
+    return path
+
+
+def load_meta(ckpt_dir: str | Path) -> dict:
+    path = Path(ckpt_dir) / "meta.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read checkpoint metadata {path}: {e}") from None
+
+
+def load_model_state(ckpt_dir: str | Path, device: str = "cpu") -> tuple[dict, dict]:
+    """(model state dict, meta) of a checkpoint folder."""
+    path = Path(ckpt_dir) / "model.safetensors"
+    try:
+        state = load_file(str(path), device=device)
+    except Exception as e:  # safetensors raises several types for corrupt files
+        raise UserError(f"cannot read checkpoint weights {path}: {e}") from None
+    return state, load_meta(ckpt_dir)
+
+
+def load_state(ckpt_dir: str | Path) -> dict:
+    """The training state (optimizer, data, train_state) of a checkpoint folder."""
+    path = Path(ckpt_dir) / "state.pt"
+    if not path.is_file():
+        raise UserError(f"checkpoint {ckpt_dir} has no training state (state.pt); it can be sampled but not resumed")
+    return torch.load(path, map_location="cpu", weights_only=False)
