@@ -45,7 +45,9 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def save(run_dir: str | Path, step: int, model_state: dict, meta: dict, state: dict | None = None) -> Path:
+def save(
+    run_dir: str | Path, step: int, model_state: dict, meta: dict, state: dict | None = None
+) -> Path:
     """Write checkpoint `step` under run_dir/checkpoints atomically and point `latest` at it.
 
     model_state: the unwrapped model's state dict (tensors); meta: JSON-able facts;
@@ -84,7 +86,9 @@ def latest(run_dir: str | Path) -> Path | None:
         return None
     path = root / pointer.read_text().strip()
     if not (path / "meta.json").is_file() or not (path / "model.safetensors").is_file():
-        raise UserError(f"{pointer} names {path.name}, which is incomplete or missing; delete {pointer} or restore the folder")
+        raise UserError(
+            f"{pointer} names {path.name}, which is incomplete or missing; delete {pointer} or restore the folder"
+        )
     return path
 
 
@@ -93,7 +97,9 @@ def find(run_dir: str | Path, step: int | None = None) -> Path:
     if step is None:
         path = latest(run_dir)
         if path is None:
-            raise UserError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train first or pass --run with a trained run directory")
+            raise UserError(
+                f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train first or pass --run with a trained run directory"
+            )
         return path
     path = Path(run_dir) / "checkpoints" / step_dir_name(step)
     if not (path / "meta.json").is_file():
@@ -123,5 +129,108 @@ def load_state(ckpt_dir: str | Path) -> dict:
     """The training state (optimizer, data, train_state) of a checkpoint folder."""
     path = Path(ckpt_dir) / "state.pt"
     if not path.is_file():
-        raise UserError(f"checkpoint {ckpt_dir} has no training state (state.pt); it can be sampled but not resumed")
+        raise UserError(
+            f"checkpoint {ckpt_dir} has no training state (state.pt); it can be sampled but not resumed"
+        )
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# --- training state: every stateful part, from any wrapping, through torch's public DCP API ---
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
+
+
+def _rng_state(device: str) -> dict:
+    import random
+
+    import numpy as np
+
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if device.startswith("cuda"):
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: str) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if device.startswith("cuda") and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save_training(
+    run_dir, step: int, model, optimizer, loader, train_state: dict, meta: dict, info
+) -> Path | None:
+    """Collective: every rank calls it; the main process writes model, optimizer, data cursor,
+    train_state and the RNG state of EVERY rank. Keys are the unwrapped model's (no prefixes)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from gptrain import dist as gdist
+
+    model_state = get_model_state_dict(model, options=_options())
+    optim_state = get_optimizer_state_dict(model, optimizer, options=_options())
+    rngs = [_rng_state(info.device)]
+    if gdist.active():
+        rngs = [None] * info.world_size
+        torch.distributed.all_gather_object(rngs, _rng_state(info.device))
+    path = None
+    if info.is_main:
+        state = {
+            "optimizer": optim_state,
+            "data": loader.state_dict(),
+            "train_state": {**train_state, "world_size": info.world_size, "rng": rngs},
+        }
+        path = save(run_dir, step, model_state, meta, state)
+    gdist.barrier()
+    return path
+
+
+def restore_training(ckpt_dir, model, optimizer, loader, info) -> dict:
+    """Collective: load a checkpoint written by save_training into (possibly wrapped) parts.
+
+    The model and optimizer are read on the main process and broadcast (works for any world size
+    and for FSDP). RNG states are restored per rank when the world size is unchanged.
+    Returns the saved train_state."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from gptrain import dist as gdist
+
+    state = load_state(ckpt_dir)
+    model_state, _ = load_model_state(ckpt_dir)
+    broadcast = gdist.active()
+    opts = _options(broadcast_from_rank0=broadcast, strict=True)
+    if broadcast and not info.is_main:
+        model_state, optim_state = {}, {}
+    else:
+        optim_state = state["optimizer"]
+    try:
+        set_model_state_dict(model, model_state, options=opts)
+    except RuntimeError as e:
+        raise UserError(
+            f"checkpoint {ckpt_dir} does not fit this model ({str(e).splitlines()[0]}); use the same [model] config it was trained with"
+        ) from None
+    set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+    loader.load_state_dict(state["data"])
+    ts = state["train_state"]
+    if ts.get("world_size") == info.world_size:
+        _set_rng_state(ts["rng"][info.rank], info.device)
+    return ts

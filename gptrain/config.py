@@ -1,0 +1,335 @@
+"""Configuration: one dataclass per section, TOML presets, `--section.key=value` overrides.
+
+Precedence: command line > `--config FILE` > dataclass defaults. Every field is documented once, in
+its `help` metadata; that text is what `gptrain train --help` prints. Unknown sections or keys, values
+of the wrong type and contradictory values raise `UserError` naming the key, the value and what is
+allowed. Each component receives only its own section (`cfg.train`, `cfg.dist`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from gptrain.errors import UserError
+
+
+def opt(default, help: str, choices: tuple | None = None):
+    """A config field: its default, its one-line documentation and, optionally, allowed values."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = opt(
+        "",
+        "named architecture (gpt2, gpt2-medium, gpt2-large, gpt2-xl, mini, small, tiny); empty: use n_layer/n_head/n_embd",
+    )
+    n_layer: int = opt(4, "transformer blocks (ignored when preset is set)")
+    n_head: int = opt(4, "attention heads per block (ignored when preset is set)")
+    n_embd: int = opt(256, "model width; must be divisible by n_head (ignored when preset is set)")
+    dropout: float = opt(0.0, "dropout probability in [0, 1)")
+    block_size: int = opt(0, "maximum context length; 0 means train.seq_len")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dir: str = opt(
+        "shakespeare",
+        "a folder written by `gptrain prepare`, or a built-in corpus name (shakespeare)",
+    )
+    tokenizer: str = opt(
+        "byte", "tokenizer used to prepare a built-in corpus: byte, gpt2 or bpe:PATH"
+    )
+    stride: int = opt(0, "tokens between training window starts; 0 means seq_len (no overlap)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int = opt(16, "sequences per forward pass on each process")
+    seq_len: int = opt(256, "tokens per sequence")
+    total_batch_size: int = opt(
+        32768, "tokens per optimizer step over all processes and micro-steps"
+    )
+    max_steps: int = opt(200, "optimizer steps to train")
+    lr: float = opt(1e-3, "peak learning rate (reached after warmup)")
+    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = opt(20, "linear warmup steps")
+    weight_decay: float = opt(0.1, "AdamW weight decay, applied to >=2-D parameters only")
+    grad_clip: float = opt(
+        1.0, "global gradient-norm clip; 0 disables clipping (the norm is still logged)"
+    )
+    dtype: str = opt(
+        "auto",
+        "compute dtype: auto picks bf16 where supported, else float16 on CUDA, else float32",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    compile: bool = opt(False, "torch.compile the model for training, evaluation and sampling")
+    seed: int = opt(1337, "seed for initialisation, data order and dropout")
+    device: str = opt(
+        "auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda")
+    )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = opt(50, "validate every N optimizer steps (and at the end); 0 only at the end")
+    tokens: int = opt(65536, "validation token budget (the same tokens every time)")
+    sample_every: int = opt(
+        100, "print a text sample every N steps (and at the end); 0 only at the end"
+    )
+    sample_tokens: int = opt(200, "tokens per text sample")
+    sample_prompt: str = opt("", "prompt for text samples; empty starts from end-of-text")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = opt(100, "save a checkpoint every N steps (and at the end); 0 only at the end")
+    resume: str = opt(
+        "auto",
+        "auto: continue from run.dir's latest checkpoint when there is one; latest: require one; none: start fresh (refused when run.dir has checkpoints); or a step number",
+    )
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every: int = opt(10, "log metrics every N steps (the only steps that sync with the device)")
+    progress: bool = opt(True, "show a progress bar on the main process")
+    tensorboard: bool = opt(
+        False, "also write TensorBoard events to run.dir/tb (needs tensorboard)"
+    )
+    wandb: str = opt("", "Weights & Biases project name; empty disables (needs wandb)")
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    mode: str = opt(
+        "ddp",
+        "parallelism when world size > 1: ddp (replicate) or fsdp (shard with FSDP2)",
+        ("ddp", "fsdp"),
+    )
+    nproc_per_node: str = opt(
+        "1",
+        "processes to launch on this machine through torch.distributed.run: N or auto (one per GPU, 1 on CPU); ignored under torchrun",
+    )
+    backend: str = opt(
+        "auto",
+        "process-group backend: auto (nccl with CUDA, else gloo), nccl or gloo",
+        ("auto", "nccl", "gloo"),
+    )
+    timeout_s: int = opt(300, "seconds before a stuck collective ends the run with an error")
+    bucket_cap_mb: int = opt(25, "DDP gradient bucket size in MB")
+    gradient_as_bucket_view: bool = opt(
+        True, "DDP: gradients are views into the communication buckets (saves memory)"
+    )
+    static_graph: bool = opt(
+        False, "DDP: the graph is the same every step (enables extra optimisations)"
+    )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = opt(
+        "runs/default", "run directory: config, metrics, logs, plots and checkpoints go here"
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+SECTIONS = {f.name: f.default_factory for f in fields(Config)}
+
+
+def _field_types(section_cls) -> dict[str, type]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in fields(section_cls)}
+
+
+def _coerce(key: str, value, typ: type, from_cli: bool):
+    """Check (file) or parse (CLI string) one value; UserError naming the key when it does not fit."""
+    if from_cli:
+        text = value
+        try:
+            if typ is bool:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return text.lower() in ("true", "1", "yes")
+            if typ is int:
+                number = float(text)  # accepts 524288 and 2**19 written as 5.24288e5
+                if not number.is_integer():
+                    raise ValueError
+                return int(number)
+            if typ is float:
+                return float(text)
+            return text
+        except ValueError:
+            raise UserError(f"--{key}={text!r} is not a valid {typ.__name__}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not typ:
+        raise UserError(
+            f"{key} = {value!r} in the config file is a {type(value).__name__}; expected {typ.__name__}"
+        )
+    return value
+
+
+def _apply(values: dict[str, dict], key: str, raw, from_cli: bool) -> None:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name:
+        raise UserError(f"unknown config section in {key!r}; sections are: {', '.join(SECTIONS)}")
+    types = _field_types(type(SECTIONS[section]()))
+    if name not in types:
+        raise UserError(f"unknown config key {key!r}; keys of [{section}]: {', '.join(types)}")
+    values[section][name] = _coerce(key, raw, types[name], from_cli)
+
+
+def load_config(config_file: str | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Defaults, then the TOML file, then `section.key=value` overrides; validated."""
+    values: dict[str, dict] = {s: {} for s in SECTIONS}
+    if config_file:
+        path = Path(config_file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(
+                f"config file {config_file} not found; presets are in configs/ (e.g. configs/debug.toml)"
+            ) from None
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise UserError(f"cannot read config file {config_file}: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise UserError(
+                    f"{config_file}: top-level key {section!r} must be a [section]; sections are: {', '.join(SECTIONS)}"
+                )
+            for name, raw in table.items():
+                _apply(values, f"{section}.{name}", raw, from_cli=False)
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise UserError(
+                f"override {item!r} needs the form section.key=value, e.g. train.lr=1e-3"
+            )
+        _apply(values, key.strip(), raw.strip(), from_cli=True)
+    cfg = Config(**{s: type(SECTIONS[s]())(**values[s]) for s in SECTIONS})
+    validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Values that are wrong on their own or contradict each other (world-size checks come later)."""
+    for section in SECTIONS:
+        sec = getattr(cfg, section)
+        for f in fields(sec):
+            choices = f.metadata.get("choices")
+            value = getattr(sec, f.name)
+            _check(
+                choices is None or value in choices,
+                f"{section}.{f.name} = {value!r}; allowed: {', '.join(choices or ())}",
+            )
+    t, m = cfg.train, cfg.model
+    for key in ("micro_batch_size", "seq_len", "total_batch_size", "max_steps"):
+        _check(getattr(t, key) >= 1, f"train.{key} = {getattr(t, key)} must be >= 1")
+    _check(t.lr > 0, f"train.lr = {t.lr} must be > 0")
+    _check(0 <= t.min_lr <= t.lr, f"train.min_lr = {t.min_lr} must be in [0, train.lr = {t.lr}]")
+    _check(
+        0 <= t.warmup_steps <= t.max_steps,
+        f"train.warmup_steps = {t.warmup_steps} must be in [0, train.max_steps = {t.max_steps}]",
+    )
+    _check(t.weight_decay >= 0, f"train.weight_decay = {t.weight_decay} must be >= 0")
+    _check(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)")
+    _check(0 <= m.dropout < 1, f"model.dropout = {m.dropout} must be in [0, 1)")
+    if not m.preset:
+        for key in ("n_layer", "n_head", "n_embd"):
+            _check(getattr(m, key) >= 1, f"model.{key} = {getattr(m, key)} must be >= 1")
+        _check(
+            m.n_embd % m.n_head == 0,
+            f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}",
+        )
+    _check(
+        m.block_size == 0 or m.block_size >= t.seq_len,
+        f"model.block_size = {m.block_size} is shorter than train.seq_len = {t.seq_len}; use 0 to follow seq_len",
+    )
+    _check(cfg.data.stride >= 0, f"data.stride = {cfg.data.stride} must be >= 0 (0 means seq_len)")
+    for key in ("every", "sample_every"):
+        _check(getattr(cfg.eval, key) >= 0, f"eval.{key} must be >= 0")
+    _check(
+        cfg.eval.tokens >= t.seq_len,
+        f"eval.tokens = {cfg.eval.tokens} is less than one window of train.seq_len = {t.seq_len}",
+    )
+    _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0")
+    r = cfg.checkpoint.resume
+    _check(
+        r in ("auto", "latest", "none") or r.isdigit(),
+        f"checkpoint.resume = {r!r}; allowed: auto, latest, none or a step number",
+    )
+    _check(cfg.log.every >= 1, f"log.every = {cfg.log.every} must be >= 1")
+    _check(cfg.dist.timeout_s >= 1, f"dist.timeout_s = {cfg.dist.timeout_s} must be >= 1")
+    n = cfg.dist.nproc_per_node
+    _check(
+        n == "auto" or (n.isdigit() and int(n) >= 1),
+        f"dist.nproc_per_node = {n!r}; allowed: a whole number >= 1 or auto",
+    )
+
+
+def accumulation_steps(
+    total_batch_size: int, micro_batch_size: int, seq_len: int, world_size: int
+) -> int:
+    """total_batch_size / (micro_batch_size * seq_len * world_size), or a UserError with the numbers."""
+    per_micro_step = micro_batch_size * seq_len * world_size
+    if total_batch_size % per_micro_step == 0:
+        return total_batch_size // per_micro_step
+    lower = max(per_micro_step, total_batch_size // per_micro_step * per_micro_step)
+    upper = lower + per_micro_step if lower <= total_batch_size else lower
+    raise UserError(
+        f"train.total_batch_size = {total_batch_size} is not a multiple of train.micro_batch_size ({micro_batch_size}) "
+        f"x train.seq_len ({seq_len}) x world size ({world_size}) = {per_micro_step}; nearest valid totals: {lower} or {upper}"
+    )
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (saved as run.dir/config.toml; loadable with --config)."""
+
+    def fmt(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return repr(v)
+
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(getattr(cfg, section)).items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    """`--help`: every key with its type, default and documentation."""
+    out = ["config keys (set in a TOML file under [section] or as --section.key=value):", ""]
+    for section in SECTIONS:
+        sec = SECTIONS[section]()
+        types = _field_types(type(sec))
+        for f in fields(sec):
+            out.append(
+                f"  --{section}.{f.name} ({types[f.name].__name__}, default {getattr(sec, f.name)!r})"
+            )
+            out.append(f"      {f.metadata['help']}")
+    return "\n".join(out)

@@ -1,0 +1,217 @@
+"""Everything distributed: who am I (DistInfo), process group, wrap_model, collectives, launcher.
+
+torchrun (or `gptrain train --dist.nproc_per_node=N`, which calls torch's own elastic launcher)
+starts one process per device and sets RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE.
+`DistInfo.from_env()` reads them once; everything else receives the frozen DistInfo. A plain
+`python -m gptrain train` is world size 1 and takes the same code path (collectives become no-ops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gptrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: str = "cpu"  # "cpu" or "cuda:LOCAL_RANK"
+    launched: bool = False  # True under torchrun (a process group will be initialised)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @staticmethod
+    def from_env(device: str = "auto") -> DistInfo:
+        """Read torchrun's environment; device 'auto' means cuda:LOCAL_RANK when CUDA is present."""
+        env = os.environ
+        launched = "RANK" in env and "WORLD_SIZE" in env
+        rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
+        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            if not torch.cuda.is_available():
+                raise UserError(
+                    "train.device = 'cuda' but no CUDA device is available; use train.device=auto or cpu"
+                )
+            if local_rank >= torch.cuda.device_count():
+                raise UserError(
+                    f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; use --nproc_per_node <= {torch.cuda.device_count()}"
+                )
+            dev = f"cuda:{local_rank}"
+        else:
+            dev = "cpu"
+        return DistInfo(rank, local_rank, world, local_world, dev, launched)
+
+
+def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
+    """Initialise the default process group under torchrun (a no-op for a plain single process)."""
+    if not info.launched or dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if info.device_type == "cuda" else "gloo"
+    if info.device_type == "cuda":
+        torch.cuda.set_device(info.device)
+    kwargs = {"device_id": torch.device(info.device)} if backend == "nccl" else {}
+    dist.init_process_group(
+        backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
+    )
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def active() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of `t` over all ranks (in place; identity for world size 1)."""
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def check_same_config(config_text: str, info: DistInfo) -> None:
+    """Every rank (and so every node) must run the same config: compare hashes at start-up."""
+    if not active():
+        return
+    mine = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    hashes: list[str] = [""] * info.world_size
+    dist.all_gather_object(hashes, mine)
+    if len(set(hashes)) > 1:
+        odd = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        raise UserError(
+            f"config differs between ranks (rank 0 hash {hashes[0]}, rank {odd[0]} hash {hashes[odd[0]]}); give every node the same config file and overrides"
+        )
+
+
+def wrap_model(
+    model: nn.Module,
+    *,
+    mode: str,
+    info: DistInfo,
+    compile: bool,
+    param_dtype: torch.dtype,
+    bucket_cap_mb: int = 25,
+    gradient_as_bucket_view: bool = True,
+    static_graph: bool = False,
+) -> nn.Module:
+    """Apply compile and data parallelism from outside the model, always in this order:
+
+    1. torch.compile, in place (`Module.compile()`), so state-dict keys never gain `_orig_mod.`;
+       under FSDP each block is compiled on its own (graph breaks at the shard boundaries are
+       what FSDP2 expects).
+    2. world size 1: nothing more. ddp: DistributedDataParallel (gradient all-reduce overlapping
+       backward). fsdp: FSDP2 `fully_shard` on every transformer block, then on the root, with
+       bf16/fp16 compute and fp32 gradient reduction when param_dtype is not float32.
+
+    The returned module is what the training loop calls; save the original `model` (its keys are
+    the plain ones). The caller builds the optimizer after wrapping (FSDP replaces parameters).
+    """
+    if mode == "fsdp" and info.world_size > 1:
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:
+            raise UserError(
+                f"dist.mode = 'fsdp' needs torch >= 2.6 (this is {torch.__version__}); upgrade torch or use dist.mode=ddp"
+            ) from None
+        mp = MixedPrecisionPolicy(
+            param_dtype=None if param_dtype == torch.float32 else param_dtype,
+            reduce_dtype=torch.float32,
+        )
+        for block in model.transformer.h:
+            if compile:
+                block.compile()
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+    if compile:
+        model.compile()
+    if info.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        device_ids = [info.local_rank] if info.device_type == "cuda" else None
+        return DDP(
+            model,
+            device_ids=device_ids,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+        )
+    return model
+
+
+def grad_sync(wrapped: nn.Module, sync: bool):
+    """Context for one micro-step: gradient communication only when `sync` (the last micro-step).
+
+    DDP: the public `no_sync()` context, entered around forward AND backward. FSDP2:
+    `set_requires_gradient_sync(sync)`. Single process: nothing to skip.
+    """
+    if hasattr(wrapped, "no_sync"):  # DistributedDataParallel
+        return contextlib.nullcontext() if sync else wrapped.no_sync()
+    if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDPModule
+        wrapped.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def nproc_for(spec: str) -> int:
+    """dist.nproc_per_node → a number: 'auto' is one per GPU, or 1 on CPU; checked against devices."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if spec == "auto":
+        return max(gpus, 1)
+    n = int(spec)
+    if gpus and n > gpus:
+        raise UserError(
+            f"dist.nproc_per_node = {n} but this machine has {gpus} GPUs; use at most {gpus} or auto"
+        )
+    if not gpus and n > (os.cpu_count() or 1):
+        raise UserError(
+            f"dist.nproc_per_node = {n} but this machine has {os.cpu_count()} CPU cores and no GPU; use at most {os.cpu_count()} or auto"
+        )
+    return n
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Re-run `gptrain train ARGV` as `nproc` workers through torch.distributed.run (standalone)."""
+    from torch.distributed import run as torch_run
+
+    args = ["--standalone", f"--nproc_per_node={nproc}", "-m", "gptrain", "train", *argv]
+    try:
+        torch_run.main(args)
+    except Exception as e:  # ChildFailedError: the workers printed their own errors already
+        print(f"gptrain: error: a worker failed: {type(e).__name__}")
+        return 1
+    return 0

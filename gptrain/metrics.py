@@ -1,0 +1,129 @@
+"""True metrics: measured device peak for MFU, and the loggers (main process only).
+
+MFU = achieved model FLOP/s / peak FLOP/s, where the peak is MEASURED in the same run on this
+device with a large matmul in the training dtype, never looked up by GPU name.
+
+Loggers share one tiny interface: `log(step, metrics: dict)`, `text(line)`, `close()`. The main
+process gets the real ones (console text log, metrics.jsonl, TensorBoard, W&B); other ranks a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def measure_peak_flops(
+    device: str, dtype: torch.dtype, size: int | None = None, seconds: float = 0.5
+) -> float:
+    """FLOP/s of a large square matmul in `dtype` on `device` (the best of several timed runs)."""
+    size = size or (8192 if device.startswith("cuda") else 2048)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):  # warm-up (kernel selection, allocator, AMX tile config)
+        a @ b
+    synchronize(device)
+    best, spent = math.inf, 0.0
+    while spent < seconds or best == math.inf:
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+    return 2 * size**3 / best
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class NullLogger:
+    """What non-main ranks get: every call does nothing."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def text(self, line: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RunLogger(NullLogger):
+    """Main process: metrics.jsonl + train.log in the run directory, optional TensorBoard / W&B.
+
+    `echo` is called with every text line (the progress bar's `write`, or print).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = False,
+        wandb_project: str = "",
+        config: dict | None = None,
+        echo=print,
+    ):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self.textlog = open(self.dir / "train.log", "a", buffering=1)
+        self.echo = echo
+        self.tb = self.wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                from gptrain.errors import UserError
+
+                raise UserError(
+                    "log.tensorboard = true needs the tensorboard package: pip install tensorboard"
+                ) from None
+            self.tb = SummaryWriter(str(self.dir / "tb"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                from gptrain.errors import UserError
+
+                raise UserError(
+                    f"log.wandb = {wandb_project!r} needs the wandb package: pip install wandb"
+                ) from None
+            self.wandb = wandb.init(project=wandb_project, dir=str(self.dir), config=config)
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        for key, value in metrics.items():
+            if self.tb is not None and isinstance(value, (int, float)):
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def text(self, line: str) -> None:
+        self.textlog.write(line + "\n")
+        self.echo(line)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.textlog.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,484 @@
+"""`gptrain train`: the training loop, top to bottom, for one process or many.
+
+    gptrain train --config configs/debug.toml                          # one process (CPU or a GPU)
+    gptrain train --config configs/default.toml --train.lr=1e-3        # overrides: --section.key=value
+    gptrain train --config configs/default.toml --dist.nproc_per_node=auto   # one worker per GPU
+    torchrun --nproc_per_node=8 -m gptrain train --config configs/gpt2_124m.toml
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
+        --rdzv_endpoint=HOST:29500 -m gptrain train --config configs/gpt2_124m.toml   # on each node
+
+One optimizer step consumes exactly train.total_batch_size tokens whatever the world size:
+accumulation = total_batch_size / (micro_batch_size * seq_len * world_size). Gradients are
+synchronised only on the last micro-step. `.item()` (a host sync) happens only on logging steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+
+from gptrain import checkpoint, dist
+from gptrain.config import Config, accumulation_steps, help_text, load_config, to_toml
+from gptrain.errors import UserError
+from gptrain.metrics import (
+    NullLogger,
+    RunLogger,
+    format_duration,
+    measure_peak_flops,
+    mfu,
+    synchronize,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """`[--config FILE] [--section.key=value ...]` → (config file, overrides)."""
+    config_file, overrides, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(__doc__.strip() + "\n\n" + help_text())
+            raise SystemExit(0)
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise UserError("--config needs a file, e.g. --config configs/debug.toml")
+            config_file, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            config_file = arg.split("=", 1)[1]
+        elif arg.startswith("--") and "=" in arg:
+            overrides.append(arg[2:])
+        else:
+            raise UserError(
+                f"unexpected argument {arg!r}; use --config FILE and --section.key=value (see --help)"
+            )
+        i += 1
+    return config_file, overrides
+
+
+def cpu_supports_bf16() -> bool:
+    """bf16 autocast pays off on CPUs with native bf16 matmul (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    if name != "auto":
+        if name == "float16" and device_type != "cuda":
+            raise UserError(
+                "train.dtype = 'float16' needs a CUDA device; use auto, bfloat16 or float32"
+            )
+        return DTYPES[name]
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def build_model(cfg: Config, vocab_size: int):
+    from gptrain.model import GPT, PRESETS, GPTConfig
+
+    m = cfg.model
+    if m.preset and m.preset not in PRESETS:
+        raise UserError(f"model.preset = {m.preset!r}; allowed: {', '.join(PRESETS)} or empty")
+    arch = (
+        PRESETS[m.preset]
+        if m.preset
+        else {"n_layer": m.n_layer, "n_head": m.n_head, "n_embd": m.n_embd}
+    )
+    return GPT(
+        GPTConfig(
+            vocab_size=vocab_size,
+            block_size=m.block_size or cfg.train.seq_len,
+            dropout=m.dropout,
+            **arch,
+        )
+    )
+
+
+def local_main_first(info: dist.DistInfo, fn):
+    """Run fn on each node's local rank 0 first (e.g. a download into the machine's cache), then
+    on the other ranks; an error on any rank is raised on every rank instead of a hang."""
+    result, error = None, ""
+    for turn in (True, False):
+        if (info.local_rank == 0) == turn:
+            try:
+                result = fn()
+            except UserError as e:
+                error = str(e)
+        failed = torch.tensor([1.0 if error else 0.0])
+        if dist.active():
+            torch.distributed.all_reduce(failed)
+        if failed.item():
+            raise UserError(error or "another rank failed while preparing data (see its message)")
+    return result
+
+
+@torch.no_grad()
+def evaluate(
+    model, dataset, cfg: Config, info: dist.DistInfo, autocast, byte_lengths: torch.Tensor
+) -> tuple[float, float]:
+    """Loss (nats/token) and bits per byte on the fixed validation budget, exact over all ranks."""
+    from gptrain.loader import val_batches
+
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss*tokens, tokens, bytes
+    for x, y in val_batches(
+        dataset,
+        cfg.train.seq_len,
+        cfg.train.micro_batch_size,
+        cfg.eval.tokens,
+        info.rank,
+        info.world_size,
+        info.device,
+    ):
+        with autocast:
+            _, loss = model(x, y)
+        mask = y != -1
+        n = mask.sum()
+        if n > 0:
+            sums[0] += loss.double() * n
+        sums[1] += n
+        sums[2] += byte_lengths[y[mask]].sum()
+    dist.all_reduce_sum(sums)
+    model.train()
+    loss_sum, tokens, nbytes = sums.tolist()
+    val_loss = loss_sum / tokens
+    return val_loss, loss_sum / math.log(2) / max(nbytes, 1)
+
+
+def train_step(
+    wrapped,
+    model,
+    optimizer,
+    scaler,
+    next_batch,
+    accum: int,
+    autocast,
+    grad_clip: float,
+    sync: bool = True,
+):
+    """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as tensors.
+
+    Each micro-loss is divided by `accum`, so the summed gradients equal the gradient of the big
+    batch's mean loss. Gradients are communicated on the last micro-step only (`no_sync()` /
+    `set_requires_gradient_sync` otherwise), overlapping that backward. `sync=False` skips all
+    communication (the benchmark uses it to measure the communication share)."""
+    loss_sum = None
+    for micro in range(accum):
+        x, y = next_batch()
+        with dist.grad_sync(wrapped, sync=sync and micro == accum - 1):
+            with autocast:
+                _, loss = wrapped(x, y)
+            loss = loss / accum  # this micro-batch's share of the big batch's mean
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), grad_clip if grad_clip > 0 else math.inf
+    )
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+def train(cfg: Config, info: dist.DistInfo) -> dict:
+    """Run one training job; returns the summary dict (also written to run.dir/summary.json)."""
+    from gptrain.corpora import resolve_data_dir
+    from gptrain.loader import Dataset, TrainLoader
+    from gptrain.optim import build_optimizer, lr_at
+    from gptrain.sample import generate_text
+
+    t, run_dir = cfg.train, cfg.run.dir
+    dist.check_same_config(to_toml(cfg), info)
+    accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
+    if cfg.dist.mode == "fsdp" and t.dtype == "float16":
+        raise UserError(
+            "dist.mode = 'fsdp' with train.dtype = 'float16' is not supported; use bfloat16 or float32"
+        )
+
+    # data: a prepared folder, or a built-in corpus prepared once per machine
+    data_dir = local_main_first(info, lambda: resolve_data_dir(cfg.data.dir, cfg.data.tokenizer))
+    dataset = Dataset(data_dir)
+    tokenizer = dataset.tokenizer
+    loader = TrainLoader(
+        dataset,
+        t.seq_len,
+        t.micro_batch_size,
+        info.rank,
+        info.world_size,
+        t.seed,
+        stride=cfg.data.stride or None,
+        device=info.device,
+    )
+
+    # model: identical initialisation on every rank (same seed), then wrapped from outside
+    torch.manual_seed(t.seed)
+    model = build_model(cfg, dataset.vocab_size).to(info.device)
+    ptdtype = resolve_dtype(t.dtype, info.device_type)
+    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
+    wrapped = dist.wrap_model(
+        model,
+        mode=cfg.dist.mode,
+        info=info,
+        compile=t.compile,
+        param_dtype=ptdtype,
+        bucket_cap_mb=cfg.dist.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
+        static_graph=cfg.dist.static_graph,
+    )
+    optimizer = build_optimizer(
+        model, lr=t.lr, weight_decay=t.weight_decay, device_type=info.device_type
+    )
+    # FSDP casts parameters itself (MixedPrecisionPolicy); otherwise autocast does the mixed precision
+    use_autocast = ptdtype != torch.float32 and not fsdp
+    autocast = torch.autocast(info.device_type, dtype=ptdtype) if use_autocast else nullcontext()
+    scaler = torch.amp.GradScaler(info.device_type, enabled=ptdtype == torch.float16)
+    byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
+
+    # resume: from the latest checkpoint of this run directory when there is one
+    step, tokens_seen, elapsed_before = 0, 0, 0.0
+    ckpt = (
+        checkpoint.latest(run_dir)
+        if cfg.checkpoint.resume == "auto"
+        else (
+            None
+            if cfg.checkpoint.resume == "none"
+            else checkpoint.find(
+                run_dir, None if cfg.checkpoint.resume == "latest" else int(cfg.checkpoint.resume)
+            )
+        )
+    )
+    if cfg.checkpoint.resume == "none" and checkpoint.latest(run_dir) is not None:
+        raise UserError(
+            f"run.dir {run_dir} already has checkpoints and checkpoint.resume = 'none'; choose a new --run.dir or resume with --checkpoint.resume=auto"
+        )
+    if ckpt is not None:
+        saved_tok = checkpoint.load_meta(ckpt).get("tokenizer", {})
+        if saved_tok.get("hash") != tokenizer.identity().get("hash"):
+            raise UserError(
+                f"data in {data_dir} uses tokenizer {tokenizer.identity().get('name')!r} but checkpoint {ckpt} was trained with {saved_tok.get('name')!r}; use the same data.dir/data.tokenizer or a new run.dir"
+            )
+        ts = checkpoint.restore_training(ckpt, model, optimizer, loader, info)
+        step, tokens_seen, elapsed_before = ts["step"], ts["tokens"], ts.get("elapsed_s", 0.0)
+        if ts.get("world_size") != info.world_size:
+            torch.manual_seed(t.seed + 1000 * info.rank + step)
+    else:
+        torch.manual_seed(t.seed + 1000 * info.rank)  # dropout streams differ by rank
+
+    # logging: main process only
+    peak = measure_peak_flops(info.device, ptdtype) if info.is_main else 1.0
+    flops_per_token = model.flops_per_token(t.seq_len)
+    bar = None
+    if info.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        (open(os.path.join(run_dir, "config.toml"), "w")).write(to_toml(cfg))
+        if cfg.log.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=t.max_steps,
+                initial=step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+        logger = RunLogger(
+            run_dir,
+            tensorboard=cfg.log.tensorboard,
+            wandb_project=cfg.log.wandb,
+            config=json.loads(
+                json.dumps({s: asdict(getattr(cfg, s)) for s in ("model", "train", "data")})
+            ),
+            echo=bar.write if bar else print,
+        )
+    else:
+        logger = NullLogger()
+    logger.text(
+        f"{'resumed from ' + str(ckpt) if ckpt else 'starting'}: {model.num_params():,} parameters, world size {info.world_size}, "
+        f"accumulation {accum}, {t.total_batch_size:,} tokens/step, dtype {str(ptdtype).removeprefix('torch.')}, "
+        f"device {info.device}, measured peak {peak / 1e12:.2f} TFLOP/s"
+    )
+    meta = {
+        "model": asdict(model.config),
+        "tokenizer": tokenizer.identity(),
+        "data_dir": str(data_dir),
+        "config": to_toml(cfg),
+    }
+
+    def save(step: int) -> None:
+        meta_now = {**meta, "tokens": tokens_seen}
+        state = {
+            "step": step,
+            "tokens": tokens_seen,
+            "elapsed_s": elapsed_before + time.perf_counter() - t_start,
+        }
+        path = checkpoint.save_training(
+            run_dir, step, model, optimizer, loader, state, meta_now, info
+        )
+        logger.text(f"step {step}: checkpoint {path}")
+
+    def run_eval_and_sample(step: int, eval_now: bool, sample_now: bool) -> dict:
+        out = {}
+        if eval_now:
+            out["val_loss"], out["val_bpb"] = evaluate(
+                wrapped, dataset, cfg, info, autocast, byte_lengths
+            )
+            logger.text(
+                f"step {step}: val loss {out['val_loss']:.4f}, val bpb {out['val_bpb']:.4f}"
+            )
+        if sample_now:  # every rank generates (FSDP needs all ranks in each forward); main prints
+            with autocast:
+                text = generate_text(
+                    wrapped,
+                    tokenizer,
+                    cfg.eval.sample_prompt,
+                    max_new_tokens=cfg.eval.sample_tokens,
+                    temperature=0.8,
+                    top_k=200,
+                    num_samples=1,
+                    seed=t.seed,
+                    device=info.device,
+                )[0]
+            logger.text(f"step {step}: sample: {cfg.eval.sample_prompt}{text}")
+        return out
+
+    # the loop
+    t_start = t_log = time.perf_counter()
+    steps_since_log, last_loss, last_val = 0, float("nan"), {}
+    tok_per_s = mfu_now = 0.0
+    try:
+        while step < t.max_steps:
+            lr = lr_at(
+                step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum, grad_norm = train_step(
+                wrapped, model, optimizer, scaler, loader.next_batch, accum, autocast, t.grad_clip
+            )
+            step += 1
+            tokens_seen += t.total_batch_size
+            steps_since_log += 1
+
+            last = step == t.max_steps
+            eval_now = last or (cfg.eval.every > 0 and step % cfg.eval.every == 0)
+            if step % cfg.log.every == 0 or last or eval_now:
+                last_loss = dist.all_reduce_mean(loss_sum).item()  # mean over micro-steps and ranks
+                if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+                    grad_norm = grad_norm.full_tensor()
+                synchronize(info.device)
+                now = time.perf_counter()
+                tok_per_s = steps_since_log * t.total_batch_size / (now - t_log)
+                mfu_now = mfu(tok_per_s, flops_per_token, peak * info.world_size)
+                metrics = {
+                    "loss": last_loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm.item(),
+                    "tokens": tokens_seen,
+                    "tok_per_s": tok_per_s,
+                    "mfu": mfu_now,
+                }
+                metrics.update(
+                    run_eval_and_sample(
+                        step,
+                        eval_now,
+                        last or (cfg.eval.sample_every > 0 and step % cfg.eval.sample_every == 0),
+                    )
+                )
+                last_val = {
+                    k: metrics[k] for k in ("val_loss", "val_bpb") if k in metrics
+                } or last_val
+                logger.log(step, metrics)
+                if bar:
+                    bar.set_postfix(
+                        loss=f"{last_loss:.3f}",
+                        lr=f"{lr:.2e}",
+                        tok_s=f"{tok_per_s:,.0f}",
+                        mfu=f"{mfu_now:.1%}",
+                    )
+                else:
+                    logger.text(
+                        f"step {step}/{t.max_steps} loss {last_loss:.4f} lr {lr:.2e} tok/s {tok_per_s:,.0f} mfu {mfu_now:.1%}"
+                    )
+                steps_since_log, t_log = 0, time.perf_counter()
+            if bar:
+                bar.update(1)
+            if last or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0):
+                save(step)
+    except KeyboardInterrupt:
+        logger.text(
+            f"interrupted at step {step}; the last checkpoint is {checkpoint.latest(run_dir)}; run the same command to resume"
+        )
+        if bar:
+            bar.close()
+        logger.close()
+        raise
+    if bar:
+        bar.close()
+
+    elapsed = elapsed_before + time.perf_counter() - t_start
+    summary = {
+        "steps": step,
+        "tokens": tokens_seen,
+        "train_loss": last_loss,
+        **last_val,
+        "elapsed_s": elapsed,
+        "tok_per_s": tok_per_s,
+        "mfu": mfu_now,
+        "world_size": info.world_size,
+    }
+    if info.is_main:
+        from gptrain.plot import plot_run
+
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        plot_path = plot_run(run_dir)
+        logger.text(
+            f"done: {step} steps, {tokens_seen:,} tokens in {format_duration(elapsed)}; train loss {last_loss:.4f}"
+            + (
+                f", val loss {last_val['val_loss']:.4f}, val bpb {last_val['val_bpb']:.4f}"
+                if last_val
+                else ""
+            )
+            + f"; {tok_per_s:,.0f} tok/s, MFU {mfu_now:.1%}; plot {plot_path}"
+        )
+    logger.close()
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    config_file, overrides = parse_args(argv)
+    cfg = load_config(config_file, overrides)
+    if (
+        "RANK" not in os.environ
+    ):  # not under torchrun: maybe launch workers through torch.distributed.run
+        nproc = dist.nproc_for(cfg.dist.nproc_per_node)
+        if nproc > 1:
+            t = cfg.train
+            accumulation_steps(
+                t.total_batch_size, t.micro_batch_size, t.seq_len, nproc
+            )  # fail before spawning
+            return dist.launch(nproc, argv)
+    info = dist.DistInfo.from_env(cfg.train.device)
+    dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
+    try:
+        train(cfg, info)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        dist.teardown()
+    return 0
