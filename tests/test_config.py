@@ -1,0 +1,114 @@
+"""Config: precedence CLI > file > defaults, every error names the key, derived accumulation."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from gptrain.__main__ import main as cli
+from gptrain.config import Config, accumulation_steps, help_text, load_config, to_toml
+from gptrain.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_file_then_cli_precedence(tmp_path):
+    assert load_config().train.lr == Config().train.lr
+    f = write(tmp_path, "[train]\nlr = 0.5\nseq_len = 32\n[model]\nn_layer = 3\n")
+    cfg = load_config(f)
+    assert (cfg.train.lr, cfg.train.seq_len, cfg.model.n_layer) == (0.5, 32, 3)
+    cfg = load_config(f, ["train.lr=0.25", "model.n_layer=5", "train.compile=true"])
+    assert (cfg.train.lr, cfg.train.seq_len, cfg.model.n_layer, cfg.train.compile) == (
+        0.25,
+        32,
+        5,
+        True,
+    )
+    assert (
+        cfg.train.micro_batch_size == Config().train.micro_batch_size
+    )  # untouched key keeps its default
+
+
+def test_int_in_file_accepted_for_float_and_sci_notation_on_cli(tmp_path):
+    cfg = load_config(write(tmp_path, "[train]\nlr = 1\n"), ["train.total_batch_size=5.24288e5"])
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.total_batch_size == 524288
+
+
+@pytest.mark.parametrize(
+    "text, overrides, needle",
+    [
+        ("[train]\nlrr = 1.0\n", [], "train.lrr"),
+        ("[trian]\nlr = 1.0\n", [], "trian"),
+        ("[train]\nlr = 'fast'\n", [], "train.lr"),
+        ("[train]\ncompile = 1\n", [], "train.compile"),
+        ("", ["train.max_steps=ten"], "--train.max_steps='ten'"),
+        ("", ["train.max_steps=1.5"], "train.max_steps"),
+        ("", ["train.compile=maybe"], "train.compile"),
+        ("", ["train.dtype=float64"], "train.dtype"),
+        ("", ["train.min_lr=1", "train.lr=0.1"], "train.min_lr"),
+        ("", ["model.n_embd=100", "model.n_head=3"], "model.n_embd"),
+        ("", ["train.warmup_steps=500", "train.max_steps=100"], "train.warmup_steps"),
+        ("", ["dist.mode=tp"], "dist.mode"),
+        ("", ["dist.nproc_per_node=many"], "dist.nproc_per_node"),
+        ("", ["checkpoint.resume=yesterday"], "checkpoint.resume"),
+        ("", ["train.lr"], "section.key=value"),
+        ("", ["model.block_size=16", "train.seq_len=64"], "model.block_size"),
+    ],
+)
+def test_errors_name_the_key(tmp_path, text, overrides, needle):
+    with pytest.raises(UserError) as e:
+        load_config(write(tmp_path, text) if text else None, overrides)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_config(str(tmp_path / "nope.toml"))
+    with pytest.raises(UserError, match="cannot read config file"):
+        load_config(write(tmp_path, "[train\n"))
+
+
+def test_accumulation_derived_and_error_has_all_numbers():
+    assert accumulation_steps(524288, 64, 1024, 8) == 1
+    assert accumulation_steps(524288, 16, 1024, 8) == 4
+    assert accumulation_steps(1024, 8, 64, 1) == 2
+    with pytest.raises(UserError) as e:
+        accumulation_steps(1000, 8, 64, 2)
+    msg = str(e.value)
+    for n in ("1000", "8", "64", "(2)", "1024"):
+        assert n in msg
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(
+        None, ["train.lr=0.01", 'eval.sample_prompt=ROMEO:\\n "quoted"', "run.dir=/tmp/x"]
+    )
+    text = to_toml(cfg)
+    tomllib.loads(text)  # valid TOML
+    assert load_config(write(tmp_path, text)) == cfg
+
+
+def test_presets_load_and_help_documents_every_key():
+    for preset in sorted((REPO / "configs").glob("*.toml")):
+        load_config(str(preset))
+    text = help_text()
+    for section in ("model", "data", "train", "eval", "checkpoint", "log", "dist", "run"):
+        for key in tomllib.loads(to_toml(Config()))[section]:
+            assert f"--{section}.{key} " in text
+
+
+def test_cli_bad_input_is_one_line_exit_2(capsys):
+    assert cli(["train", "--train.nonsense=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gptrain: error:") and "train.nonsense" in err and "\n" not in err
+    assert cli(["train", "stray"]) == 2
+    assert cli(["frobnicate"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
