@@ -1,0 +1,167 @@
+"""Token shard files and the manifest.json beside them.
+
+A shard is a fixed 64-byte little-endian header followed by the tokens:
+
+    offset  size  field
+    0       8     MAGIC b"GPTRSHRD"
+    8       4     VERSION (uint32)
+    12      4     bytes per token: 2 (uint16) or 4 (uint32, when the vocabulary is > 65,535)
+    16      8     token count (uint64)
+    24      32    tokenizer hash (raw sha256 digest of the tokenizer identity's "hash")
+    56      8     reserved, zero
+
+`open_shard` checks the header and that the file holds exactly `count` tokens, then memory-maps
+the tokens (nothing is read up front). `verify_dir` checks every shard's sha256 against the
+manifest and that every token id is inside the vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from gptrain.errors import UserError
+
+MAGIC = b"GPTRSHRD"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQ32s8x")
+HEADER_SIZE = HEADER.size  # 64
+MANIFEST = "manifest.json"
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 65_535 else np.dtype(np.uint32)
+
+
+def write_shard(
+    path, tokens: np.ndarray, tokenizer_hash: str, vocab_size: int | None = None
+) -> dict:
+    """Write `tokens` as a shard (temporary name, fsync, rename); return its manifest entry."""
+    path = Path(path)
+    tokens = np.asarray(tokens)
+    if vocab_size is None:
+        vocab_size = int(tokens.max()) + 1 if tokens.size else 1
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise UserError(
+            f"{path}: token id {int(tokens.max())} is outside the vocabulary (size {vocab_size})"
+        )
+    dtype = dtype_for_vocab(vocab_size)
+    data = tokens.astype(dtype.newbyteorder("<"), copy=False)
+    header = HEADER.pack(MAGIC, VERSION, dtype.itemsize, data.size, bytes.fromhex(tokenizer_hash))
+    sha = hashlib.sha256(header)
+    sha.update(memoryview(np.ascontiguousarray(data)).cast("B"))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(header)
+        np.ascontiguousarray(data).tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"file": path.name, "tokens": int(data.size), "sha256": sha.hexdigest()}
+
+
+def read_header(path) -> tuple[int, int, str]:
+    """(bytes per token, token count, tokenizer hash) after checking magic, version and size."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+    except OSError as e:
+        raise UserError(f"cannot read shard {path}: {e.strerror}; re-run gptrain prepare") from None
+    if len(raw) < HEADER_SIZE:
+        raise UserError(
+            f"truncated shard {path}: {size} bytes, shorter than the {HEADER_SIZE}-byte header; re-run gptrain prepare"
+        )
+    magic, version, itemsize, count, tok_hash = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise UserError(f"bad magic in {path}: {magic!r}, expected {MAGIC!r}; not a gptrain shard")
+    if version != VERSION:
+        raise UserError(
+            f"shard {path} has format version {version}; this gptrain reads version {VERSION}"
+        )
+    if itemsize not in (2, 4):
+        raise UserError(f"shard {path} has {itemsize} bytes per token; allowed: 2 or 4")
+    if size != HEADER_SIZE + count * itemsize:
+        have = (size - HEADER_SIZE) / itemsize
+        raise UserError(
+            f"truncated shard {path}: header says {count} tokens, file holds {have:g}; re-run gptrain prepare"
+        )
+    return itemsize, count, tok_hash.hex()
+
+
+def open_shard(
+    path, expected_tokens: int | None = None, tokenizer_hash: str | None = None
+) -> np.memmap:
+    """Memory-map a shard's tokens after checking its header (and, if given, count and tokenizer)."""
+    itemsize, count, tok_hash = read_header(path)
+    if expected_tokens is not None and count != expected_tokens:
+        raise UserError(
+            f"shard {path} holds {count} tokens, the manifest says {expected_tokens}; re-run gptrain prepare"
+        )
+    if tokenizer_hash is not None and tok_hash != tokenizer_hash:
+        raise UserError(
+            f"shard {path} was made with tokenizer {tok_hash[:12]}, the manifest says {tokenizer_hash[:12]}"
+        )
+    dtype = np.dtype("<u2" if itemsize == 2 else "<u4")
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_SIZE, shape=(count,))
+
+
+def write_manifest(folder, manifest: dict) -> None:
+    path = Path(folder) / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(folder) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise UserError(
+            f"no {MANIFEST} in {folder}; make the folder with `gptrain prepare --input ... --out {folder}`"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"unreadable {path}: {e}; re-run gptrain prepare") from None
+    for key in ("tokenizer", "vocab_size", "eot_id", "shards"):
+        if key not in manifest:
+            raise UserError(f"{path} lacks key {key!r}; re-run gptrain prepare")
+    return manifest
+
+
+def verify_dir(folder) -> None:
+    """Check every shard of a prepared folder: header, count, sha256, token ids < vocab size."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    vocab = int(manifest["vocab_size"])
+    for entry in manifest["shards"]:
+        path = folder / entry["file"]
+        tokens = open_shard(path, entry["tokens"], manifest["tokenizer"]["hash"])
+        if not path.is_file():
+            raise UserError(f"shard {path} listed in the manifest is missing")
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda f=f: f.read(1 << 22), b""):
+                sha.update(block)
+        if sha.hexdigest() != entry["sha256"]:
+            raise UserError(
+                f"hash mismatch for {path}: sha256 {sha.hexdigest()[:16]}..., manifest says {entry['sha256'][:16]}...; the file changed, re-run gptrain prepare"
+            )
+        for start in range(0, len(tokens), 1 << 24):
+            top = int(tokens[start : start + (1 << 24)].max())
+            if top >= vocab:
+                raise UserError(
+                    f"shard {path}: token id {top} >= vocabulary size {vocab}; the shard was made with another tokenizer"
+                )
