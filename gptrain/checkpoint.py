@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from gptrain.errors import UserError
@@ -63,8 +64,15 @@ def save(
     bad = [k for k in model_state if k.startswith(("module.", "_orig_mod.")) or "._orig_mod." in k]
     if bad:
         raise ValueError(f"wrapper prefix in model state key {bad[0]!r}: save the unwrapped model")
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"))
+    tensors, tied, seen = {}, {}, {}
+    for k, v in model_state.items():  # tied weights (lm_head = wte) are stored once
+        key = (v.data_ptr(), v.shape, v.dtype, v.device)
+        if key in seen:
+            tied[k] = seen[key]
+            continue
+        seen[key] = k
+        tensors[k] = v.detach().to("cpu").contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"tied": json.dumps(tied)})
     _fsync_file(tmp / "model.safetensors")
     if state is not None:
         torch.save(state, tmp / "state.pt")
@@ -120,8 +128,12 @@ def load_model_state(ckpt_dir: str | Path, device: str = "cpu") -> tuple[dict, d
     path = Path(ckpt_dir) / "model.safetensors"
     try:
         state = load_file(str(path), device=device)
+        with safe_open(str(path), framework="pt") as f:
+            tied = json.loads((f.metadata() or {}).get("tied", "{}"))
     except Exception as e:  # safetensors raises several types for corrupt files
         raise UserError(f"cannot read checkpoint weights {path}: {e}") from None
+    for alias, source in tied.items():
+        state[alias] = state[source]
     return state, load_meta(ckpt_dir)
 
 

@@ -356,6 +356,11 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             logger.text(f"step {step}: sample: {cfg.eval.sample_prompt}{text}")
         return out
 
+    if (
+        ckpt is None and cfg.eval.every > 0
+    ):  # the untrained baseline, so curves start at the beginning
+        logger.log(0, {"tokens": 0, **run_eval_and_sample(0, eval_now=True, sample_now=False)})
+
     # the loop
     t_start = t_log = time.perf_counter()
     steps_since_log, last_loss, last_val = 0, float("nan"), {}
@@ -414,11 +419,13 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                     logger.text(
                         f"step {step}/{t.max_steps} loss {last_loss:.4f} lr {lr:.2e} tok/s {tok_per_s:,.0f} mfu {mfu_now:.1%}"
                     )
-                steps_since_log, t_log = 0, time.perf_counter()
+                steps_since_log = 0
             if bar:
                 bar.update(1)
             if last or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0):
                 save(step)
+            if steps_since_log == 0:  # throughput intervals exclude eval, sampling and checkpoints
+                t_log = time.perf_counter()
     except KeyboardInterrupt:
         logger.text(
             f"interrupted at step {step}; the last checkpoint is {checkpoint.latest(run_dir)}; run the same command to resume"

@@ -1,0 +1,28 @@
+"""Shared fixtures: the verified test data beside the checkout, and a prepared byte-level corpus."""
+
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
+GPT2_DIR = SHARED / "gpt2"
+
+
+@pytest.fixture(scope="session")
+def shakespeare_txt() -> Path:
+    if not SHAKESPEARE.is_file():
+        pytest.skip(
+            f"verified test data not found at {SHAKESPEARE} (../shared/data beside the checkout)"
+        )
+    return SHAKESPEARE
+
+
+@pytest.fixture(scope="session")
+def byte_data(tmp_path_factory, shakespeare_txt) -> Path:
+    """tiny shakespeare prepared with the byte tokenizer (90/10 split), shared by the trainer tests."""
+    from gptrain.prepare import prepare
+
+    out = tmp_path_factory.mktemp("data") / "shakespeare-byte"
+    prepare([str(shakespeare_txt)], out, tokenizer="byte", progress=False)
+    return out

@@ -1,0 +1,204 @@
+"""End-to-end trainer tests (one process): it learns, it writes its outputs, accumulation splits
+are equivalent, and a resumed run equals an uninterrupted one bit for bit."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gptrain import checkpoint
+from gptrain.__main__ import main as cli
+from gptrain.config import load_config
+from gptrain.dist import DistInfo
+from gptrain.train import build_model, train
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = str(REPO / "configs" / "debug.toml")
+
+
+def run(byte_data, run_dir, *overrides):
+    cfg = load_config(
+        DEBUG, [f"data.dir={byte_data}", f"run.dir={run_dir}", "log.progress=false", *overrides]
+    )
+    return train(cfg, DistInfo())
+
+
+def weights(run_dir, step=None):
+    return load_file(str(checkpoint.find(run_dir, step) / "model.safetensors"))
+
+
+def test_debug_run_learns_and_writes_outputs(byte_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert (
+        cli(
+            [
+                "train",
+                "--config",
+                DEBUG,
+                f"--data.dir={byte_data}",
+                f"--run.dir={run_dir}",
+                "--log.progress=false",
+            ]
+        )
+        == 0
+    )
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in rows if "val_loss" in r]
+    assert vals[0]["step"] == 0 and vals[-1]["step"] == 40
+    # untrained: about ln(257) nats; trained: clearly lower, and bpb consistent with bytes = tokens
+    assert abs(vals[0]["val_loss"] - math.log(257)) < 0.3
+    assert vals[-1]["val_loss"] < 0.7 * vals[0]["val_loss"]
+    assert abs(vals[-1]["val_bpb"] - vals[-1]["val_loss"] / math.log(2)) < 1e-6
+    logged = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in logged] == [5, 10, 15, 20, 25, 30, 35, 40]
+    for r in logged:
+        assert set(r) >= {"step", "loss", "lr", "grad_norm", "tokens", "tok_per_s", "mfu"}
+        assert r["tokens"] == r["step"] * 1024 and 0 < r["mfu"] < 1 and r["grad_norm"] > 0
+    assert (run_dir / "loss.png").stat().st_size > 10_000
+    assert (run_dir / "config.toml").is_file() and (run_dir / "train.log").is_file()
+    assert load_config(str(run_dir / "config.toml")).run.dir == str(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["val_loss"] == vals[-1]["val_loss"]
+    meta = checkpoint.load_meta(checkpoint.find(run_dir))
+    assert meta["step"] == 40 and meta["tokenizer"]["name"] == "byte"
+    assert [p.name for p in sorted((run_dir / "checkpoints").glob("step_*"))] == [
+        "step_00000020",
+        "step_00000040",
+    ]
+    keys = weights(run_dir).keys()
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in keys)
+    out = capsys.readouterr()
+    assert "sample:" in out.out + out.err and "done: 40 steps" in out.out + out.err
+
+
+def test_accumulation_splits_are_equivalent(byte_data, tmp_path):
+    """Same 1024-token batches: 1 micro-batch of 16 == 2 of 8 == 4 of 4 (float32)."""
+    common = [
+        "train.max_steps=6",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "eval.sample_every=0",
+        "eval.tokens=512",
+        "eval.sample_tokens=1",
+    ]
+    runs = {}
+    for mb in (16, 8, 4):
+        run(byte_data, tmp_path / f"mb{mb}", f"train.micro_batch_size={mb}", *common)
+        runs[mb] = weights(tmp_path / f"mb{mb}")
+    for mb in (8, 4):
+        for k, v in runs[16].items():
+            torch.testing.assert_close(
+                runs[mb][k], v, rtol=1e-5, atol=1e-6, msg=f"{k} differs for micro-batch {mb}"
+            )
+    torch.manual_seed(1337)  # the initial weights: training really moved them
+    init = build_model(load_config(DEBUG), 257).state_dict()
+    assert max((init[k] - runs[16][k]).abs().max().item() for k in init) > 1e-3
+
+
+def test_resume_equals_uninterrupted_run_bit_for_bit(byte_data, tmp_path):
+    """Dropout on (RNG matters): stop after step 6, resume to 12 == straight to 12."""
+    common = [
+        "train.max_steps=12",
+        "checkpoint.every=6",
+        "eval.every=6",
+        "eval.sample_every=0",
+        "model.dropout=0.1",
+        "eval.tokens=1024",
+    ]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run(byte_data, full, *common)
+    shutil.copytree(full, cut)
+    # the crash: step 12 never happened for `cut`
+    shutil.rmtree(cut / "checkpoints" / "step_00000012")
+    (cut / "checkpoints" / "latest").write_text("step_00000006\n")
+    summary = run(byte_data, cut, *common)
+    assert summary["steps"] == 12
+    a, b = weights(full), weights(cut)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    sa = checkpoint.load_state(checkpoint.find(full))
+    sb = checkpoint.load_state(checkpoint.find(cut))
+    assert sa["data"] == sb["data"]
+    for k, v in sa["optimizer"]["state"].items():
+        for name, t in v.items():
+            assert torch.equal(t, sb["optimizer"]["state"][k][name]), (k, name)
+
+
+def test_half_written_checkpoint_is_invisible(byte_data, tmp_path):
+    run_dir = tmp_path / "run"
+    run(
+        byte_data,
+        run_dir,
+        "train.max_steps=4",
+        "checkpoint.every=2",
+        "eval.every=0",
+        "eval.sample_every=0",
+        "eval.tokens=512",
+    )
+    # a crash in the middle of writing step 6: its temporary folder exists, `latest` is unchanged
+    tmp = run_dir / "checkpoints" / ".tmp-step_00000006"
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(b"partial")
+    assert checkpoint.latest(run_dir).name == "step_00000004"
+
+
+def test_resume_none_refuses_to_overwrite(byte_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run(
+        byte_data,
+        run_dir,
+        "train.max_steps=2",
+        "eval.every=0",
+        "eval.sample_every=0",
+        "eval.tokens=512",
+    )
+    before = (run_dir / "metrics.jsonl").read_text()
+    rc = cli(
+        [
+            "train",
+            "--config",
+            DEBUG,
+            f"--data.dir={byte_data}",
+            f"--run.dir={run_dir}",
+            "--checkpoint.resume=none",
+        ]
+    )
+    assert rc == 2 and "checkpoint.resume" in capsys.readouterr().err
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("--train.total_batch_size=1000", "nearest valid totals"),
+        ("--data.dir=/nonexistent/folder", "/nonexistent/folder"),
+        ("--model.preset=gpt5", "model.preset"),
+        ("--train.dtype=float16", "float16"),
+    ],
+)
+def test_bad_input_one_line_exit_2(byte_data, tmp_path, capsys, override, needle):
+    args = [
+        "train",
+        "--config",
+        DEBUG,
+        f"--data.dir={byte_data}",
+        f"--run.dir={tmp_path / 'r'}",
+        override,
+    ]
+    assert cli(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0]
+
+
+def test_bench_reports_tokens_and_mfu(capsys):
+    args = ["bench", "--config", DEBUG, "--steps", "2", "--warmup", "1"]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| float32")][0].split("|")
+    tok_per_s, mfu = float(row[6].replace(",", "")), float(row[8].strip().rstrip("%"))
+    assert tok_per_s > 0 and 0 < mfu < 100
