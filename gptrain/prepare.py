@@ -39,8 +39,9 @@ from gptrain.tokenizers import load_tokenizer
 CHUNK_CHARS = 1 << 20
 
 
-def split_points(text: str, chunk: int = CHUNK_CHARS) -> list[int]:
+def split_points(text: str, chunk: int | None = None) -> list[int]:
     """Cut positions ~chunk apart, each at a "\\n" right after a non-space character."""
+    chunk = chunk or CHUNK_CHARS
     cuts, pos = [], chunk
     while pos < len(text):
         p = text.find("\n", pos)
@@ -53,8 +54,9 @@ def split_points(text: str, chunk: int = CHUNK_CHARS) -> list[int]:
     return cuts
 
 
-def work_units(docs, chunk: int = CHUNK_CHARS):
+def work_units(docs, chunk: int | None = None):
     """Group (doc index, text piece) pairs into units of ~chunk characters, in document order."""
+    chunk = chunk or CHUNK_CHARS
     unit, size = [], 0
     for i, doc in enumerate(docs):
         bounds = [0, *split_points(doc.text, chunk), len(doc.text)]
