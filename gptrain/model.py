@@ -15,6 +15,7 @@ Shapes: B batch, T time (sequence), C n_embd, nh heads, hs head size (C // nh), 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -248,6 +249,13 @@ class GPT(nn.Module):
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
         if idx.size(1) < 1:
             raise ValueError("generate needs at least one prompt token (e.g. the EOT token)")
+        # Blocks may be compiled in place (the trainer does so under FSDP). Decoding changes shapes
+        # and cache state every step, which would only cause recompiles: run eagerly.
+        set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+        with set_stance("force_eager") if set_stance else contextlib.nullcontext():
+            return self._generate(idx, max_new_tokens, temperature, top_k, generator)
+
+    def _generate(self, idx, max_new_tokens, temperature, top_k, generator) -> Tensor:
         block_size = self.config.block_size
         caches: list[KVCache] | None = None
         for _ in range(max_new_tokens):
