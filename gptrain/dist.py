@@ -4,6 +4,11 @@ torchrun (or `gptrain train --dist.nproc_per_node=N`, which calls torch's own el
 starts one process per device and sets RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE.
 `DistInfo.from_env()` reads them once; everything else receives the frozen DistInfo. A plain
 `python -m gptrain train` is world size 1 and takes the same code path (collectives become no-ops).
+
+Failures never hang: every collective has dist.timeout_s. A rendezvous that cannot be reached is a
+UserError naming the address. A collective that fails (a peer died, or is stuck past the time-out)
+becomes a `DistFailure` naming this rank, the operation, and the peers that no longer answer on
+the rendezvous store (`failure()`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ import contextlib
 import datetime
 import hashlib
 import os
+import sys
+import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -59,20 +67,131 @@ class DistInfo:
             dev = f"cuda:{local_rank}"
         else:
             dev = "cpu"
+            if launched and local_world > cpu_cores():
+                raise UserError(
+                    f"{local_world} processes on this machine (--nproc_per_node) but it has {cpu_cores()} CPU cores and no GPU; use --nproc_per_node <= {cpu_cores()}"
+                )
         return DistInfo(rank, local_rank, world, local_world, dev, launched)
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. inside a container)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+_store: dist.Store | None = None  # the rendezvous store, kept to tell dead peers from live ones
+
+
 def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
-    """Initialise the default process group under torchrun (a no-op for a plain single process)."""
+    """Initialise the default process group under torchrun (a no-op for a plain single process).
+
+    The rendezvous store is created here (not by `env://`) so that a failure can be described:
+    an unreachable MASTER_ADDR:MASTER_PORT is a UserError, and `failure()` can ask it which peers
+    are still alive. Under torchrun the store is the agent's (TORCHELASTIC_USE_AGENT_STORE); with
+    plain RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT variables rank 0 hosts it.
+    """
+    global _store
     if not info.launched or dist.is_initialized():
         return
     if backend == "auto":
         backend = "nccl" if info.device_type == "cuda" else "gloo"
+    if backend == "nccl" and info.device_type != "cuda":
+        raise UserError(
+            "dist.backend = 'nccl' needs CUDA devices; use dist.backend=gloo (or auto) on CPU"
+        )
     if info.device_type == "cuda":
         torch.cuda.set_device(info.device)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    hosts = info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(addr, port, info.world_size, is_master=hosts, timeout=timeout)
+    except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError
+        why = _first_line(e)
+        if hosts:
+            raise UserError(
+                f"rank 0: not all {info.world_size} processes reached the rendezvous at {addr}:{port} within dist.timeout_s = {timeout_s} s ({why}); start every node with the same --nnodes/--rdzv_endpoint, or raise dist.timeout_s"
+            ) from None
+        raise UserError(
+            f"rank {info.rank}: cannot reach the rendezvous at {addr}:{port} within dist.timeout_s = {timeout_s} s ({why}); check --rdzv_endpoint / MASTER_ADDR:MASTER_PORT, the network, and that the first node is running"
+        ) from None
     kwargs = {"device_id": torch.device(info.device)} if backend == "nccl" else {}
     dist.init_process_group(
-        backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
+        backend=backend,
+        store=store,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timeout,
+        **kwargs,
+    )
+    _store = dist.PrefixStore("gptrain/", store)
+
+
+class DistFailure(RuntimeError):
+    """A collective failed: a peer died, stopped responding past dist.timeout_s, or diverged."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _operation(e: BaseException) -> str:
+    """The failed operation: the innermost gptrain source line the error passed through."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename.startswith(here)]
+    if not frames:
+        return "a collective"
+    f = frames[-1]
+    what = f"`{(f.line or '').strip()}` in {f.name} ({os.path.basename(f.filename)}:{f.lineno})"
+    if "backward" in (f.line or ""):
+        what += ", the gradient all-reduce / reduce-scatter"
+    elif "wrapped(" in (f.line or "") or "model(" in (f.line or ""):
+        what += ", a forward pass (FSDP parameter all-gather)"
+    return what
+
+
+def unresponsive_peers(info: DistInfo, wait_s: float = 5.0) -> list[int] | None:
+    """After a failed collective: the ranks that do not check in on the rendezvous store within
+    wait_s (dead or stuck), or None when the store itself is gone (its host died)."""
+    if _store is None:
+        return None
+    try:
+        _store.set_timeout(datetime.timedelta(seconds=wait_s))
+        _store.set(f"alive/{info.rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [
+                r
+                for r in range(info.world_size)
+                if r != info.rank and not _store.check([f"alive/{r}"])
+            ]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except (RuntimeError, OSError):
+        return None
+
+
+def failure(e: BaseException, info: DistInfo) -> DistFailure | None:
+    """Describe a RuntimeError raised while training with peers: a DistFailure naming this rank,
+    the operation and the peers that no longer answer, or None when `e` is not a peer failure
+    (every peer still answers and it is not a torch.distributed error: a plain bug, re-raise it)."""
+    peers = unresponsive_peers(info)
+    if peers == [] and not isinstance(e, dist.DistError):
+        return None
+    if peers is None:
+        who = "the rendezvous store does not answer (the process or node hosting it is gone)"
+    elif peers:
+        who = f"rank {', '.join(map(str, peers))} does not answer (dead or stuck)"
+    else:
+        who = "every peer still answers (a desynchronised collective?)"
+    return DistFailure(
+        f"rank {info.rank} of {info.world_size}: {_operation(e)} failed: {who}; {_first_line(e)}"
     )
 
 
@@ -205,13 +324,22 @@ def nproc_for(spec: str) -> int:
 
 
 def launch(nproc: int, argv: list[str]) -> int:
-    """Re-run `gptrain train ARGV` as `nproc` workers through torch.distributed.run (standalone)."""
+    """Re-run `gptrain train ARGV` as `nproc` workers through torch.distributed.run (standalone).
+
+    Returns 0, 2 when every failed worker exited with 2 (bad input: they printed one line each),
+    else 1."""
     from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = ["--standalone", f"--nproc_per_node={nproc}", "-m", "gptrain", "train", *argv]
     try:
         torch_run.main(args)
-    except Exception as e:  # ChildFailedError: the workers printed their own errors already
-        print(f"gptrain: error: a worker failed: {type(e).__name__}")
-        return 1
+    except ChildFailedError as e:  # the workers printed their own errors already
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        ranks = ", ".join(map(str, sorted(e.failures)))
+        print(
+            f"gptrain: error: worker rank {ranks} failed (exit code {', '.join(map(str, codes))})",
+            file=sys.stderr,
+        )
+        return 2 if codes == [2] else 1
     return 0

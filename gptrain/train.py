@@ -486,6 +486,12 @@ def main(argv: list[str]) -> int:
         train(cfg, info)
     except KeyboardInterrupt:
         return 130
+    except RuntimeError as e:  # a dead or stuck peer: one line naming rank and operation, exit 1
+        failure = dist.failure(e, info) if dist.active() else None
+        if failure is None:
+            raise
+        print(f"gptrain: error: {failure}", file=sys.stderr)
+        return 1
     finally:
         dist.teardown()
     return 0
