@@ -83,6 +83,7 @@ def cpu_cores() -> int:
 
 
 _store: dist.Store | None = None  # the rendezvous store, kept to tell dead peers from live ones
+_store_host_is_rank0 = False
 
 
 def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
@@ -93,7 +94,7 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
     are still alive. Under torchrun the store is the agent's (TORCHELASTIC_USE_AGENT_STORE); with
     plain RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT variables rank 0 hosts it.
     """
-    global _store
+    global _store, _store_host_is_rank0
     if not info.launched or dist.is_initialized():
         return
     if backend == "auto":
@@ -129,6 +130,7 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
         **kwargs,
     )
     _store = dist.PrefixStore("gptrain/", store)
+    _store_host_is_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
 
 class DistFailure(RuntimeError):
@@ -149,18 +151,21 @@ def _operation(e: BaseException) -> str:
     f = frames[-1]
     what = f"`{(f.line or '').strip()}` in {f.name} ({os.path.basename(f.filename)}:{f.lineno})"
     if "backward" in (f.line or ""):
-        what += ", the gradient all-reduce / reduce-scatter"
+        what += " (gradient all-reduce / reduce-scatter)"
     elif "wrapped(" in (f.line or "") or "model(" in (f.line or ""):
-        what += ", a forward pass (FSDP parameter all-gather)"
+        what += " (forward: DDP's pending gradient sync or FSDP's parameter all-gather)"
     return what
 
 
-def unresponsive_peers(info: DistInfo, wait_s: float = 5.0) -> list[int] | None:
+def unresponsive_peers(info: DistInfo, wait_s: float = 3.0) -> list[int] | None:
     """After a failed collective: the ranks that do not check in on the rendezvous store within
     wait_s (dead or stuck), or None when the store itself is gone (its host died)."""
     if _store is None:
         return None
+    saved = os.dup(2)  # the store client logs a C++ stack trace when its host is gone: mute it
     try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
         _store.set_timeout(datetime.timedelta(seconds=wait_s))
         _store.set(f"alive/{info.rank}", "1")
         deadline = time.monotonic() + wait_s
@@ -175,6 +180,9 @@ def unresponsive_peers(info: DistInfo, wait_s: float = 5.0) -> list[int] | None:
             time.sleep(0.1)
     except (RuntimeError, OSError):
         return None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def failure(e: BaseException, info: DistInfo) -> DistFailure | None:
@@ -185,7 +193,8 @@ def failure(e: BaseException, info: DistInfo) -> DistFailure | None:
     if peers == [] and not isinstance(e, dist.DistError):
         return None
     if peers is None:
-        who = "the rendezvous store does not answer (the process or node hosting it is gone)"
+        host = "rank 0, its host," if _store_host_is_rank0 else "the process or node hosting it"
+        who = f"the rendezvous store does not answer ({host} is gone)"
     elif peers:
         who = f"rank {', '.join(map(str, peers))} does not answer (dead or stuck)"
     else:

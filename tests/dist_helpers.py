@@ -1,0 +1,258 @@
+"""Helpers for the multi-process tests: start gloo workers as subprocesses, and worker scripts.
+
+Used two ways:
+- imported by tests/test_distributed.py: `free_port`, `spawn` (RANK/WORLD_SIZE/MASTER_* env, one
+  subprocess per rank), `torchrun` (the real launcher), `wait_all` (always with a time-out).
+- run as a script by those workers: `python tests/dist_helpers.py WORKER ARGS...` where WORKER is
+  `comm` (count gradient all-reduces with a DDP communication hook, compare parameters across
+  ranks after every step) or `train_probe` (the real `train()` with probes on the model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = str(REPO / "configs" / "debug.toml")
+# tiny budgets: distributed tests spend their time on start-up and communication, not on eval
+FAST = [
+    "--train.warmup_steps=1",
+    "--eval.every=0",
+    "--eval.sample_every=0",
+    "--eval.tokens=512",
+    "--eval.sample_tokens=1",
+    "--log.progress=false",
+    "--log.every=1",
+    "--checkpoint.every=0",
+    "--train.dtype=float32",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def spawn(argv: list[str], world: int = 2, cwds=None, port: int | None = None, **extra):
+    """One subprocess per rank running `python ARGV` with torchrun's variables set by hand."""
+    port = port or free_port()
+    procs = []
+    for rank in range(world):
+        e = env(
+            RANK=rank,
+            WORLD_SIZE=world,
+            LOCAL_RANK=rank,
+            LOCAL_WORLD_SIZE=world,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            **extra,
+        )
+        cwd = cwds[rank] if cwds else REPO
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv],
+                env=e,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
+def torchrun(launcher_args: list[str], argv: list[str], cwd=REPO) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *launcher_args, *argv],
+        env=env(),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_all(procs, timeout: float = 120) -> list[tuple[int, str, str]]:
+    """(returncode, stdout, stderr) per process; kills everything still running on time-out."""
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            out.append((p.returncode, o, e))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+    return out
+
+
+def check_ok(results) -> None:
+    for rank, (rc, o, e) in enumerate(results):
+        assert rc == 0, f"process {rank} exited {rc}\n--- stdout\n{o[-3000:]}\n--- stderr\n{e[-3000:]}"
+
+
+# --- workers (run in the subprocesses) -------------------------------------------------------
+
+
+def _setup(overrides: list[str]):
+    """The pieces train() builds, from gptrain's own functions, on this rank."""
+    import torch
+
+    from gptrain import dist
+    from gptrain.config import accumulation_steps, load_config
+    from gptrain.loader import Dataset, TrainLoader
+    from gptrain.optim import build_optimizer
+    from gptrain.train import build_model
+
+    cfg = load_config(DEBUG, [o.removeprefix("--") for o in overrides])
+    info = dist.DistInfo.from_env("cpu")
+    dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
+    t = cfg.train
+    dataset = Dataset(cfg.data.dir)
+    loader = TrainLoader(dataset, t.seq_len, t.micro_batch_size, info.rank, info.world_size, t.seed)
+    torch.manual_seed(t.seed)
+    model = build_model(cfg, dataset.vocab_size)
+    wrapped = dist.wrap_model(
+        model,
+        mode=cfg.dist.mode,
+        info=info,
+        compile=False,
+        param_dtype=torch.float32,
+        bucket_cap_mb=cfg.dist.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
+        static_graph=cfg.dist.static_graph,
+    )
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, device_type="cpu")
+    accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
+    return cfg, info, model, wrapped, optimizer, loader, accum
+
+
+def _checksums(model):
+    """Per-rank fingerprint of all parameters, gathered: a list with one entry per rank."""
+    import torch
+
+    vec = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    mine = torch.stack([vec.sum(), (vec * torch.arange(len(vec), dtype=torch.float64)).sum()])
+    out = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(out, mine)
+    return [o.tolist() for o in out]
+
+
+def worker_comm(overrides: list[str], steps: int, sync_every_micro_step: bool) -> dict:
+    """Train `steps` steps with train_step; per step record the gradient elements all-reduced
+    (DDP communication hook) and the parameter checksums of every rank."""
+    import contextlib
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from gptrain import dist
+    from gptrain.train import train_step
+
+    cfg, info, model, wrapped, optimizer, loader, accum = _setup(overrides)
+    calls = {"buckets": 0, "elements": 0}
+
+    def counting_hook(state, bucket):
+        calls["buckets"] += 1
+        calls["elements"] += bucket.buffer().numel()
+        return default_hooks.allreduce_hook(state, bucket)
+
+    wrapped.register_comm_hook(None, counting_hook)
+    if sync_every_micro_step:  # the control: what the counter sees when no_sync is not used
+        dist.grad_sync = lambda wrapped, sync: contextlib.nullcontext()
+    scaler = __import__("torch").amp.GradScaler("cpu", enabled=False)
+    record = {
+        "accum": accum,
+        "params": sum(p.numel() for p in model.parameters()),
+        "steps": [],
+        "initial": _checksums(model),
+    }
+    for _ in range(steps):
+        before = dict(calls)
+        train_step(
+            wrapped,
+            model,
+            optimizer,
+            scaler,
+            loader.next_batch,
+            accum,
+            contextlib.nullcontext(),
+            cfg.train.grad_clip,
+        )
+        record["steps"].append(
+            {
+                "buckets": calls["buckets"] - before["buckets"],
+                "elements": calls["elements"] - before["elements"],
+                "checksums": _checksums(model),
+            }
+        )
+    dist.teardown()
+    return record
+
+
+def worker_train_probe(overrides: list[str]) -> dict:
+    """The real train(), with probes: parameter checksums of every rank before the first forward,
+    and the dropout masks of the first forward on every rank."""
+    import torch
+
+    import gptrain.train as gtrain
+    from gptrain import dist
+    from gptrain.config import load_config
+
+    probe: dict = {}
+    original = gtrain.build_model
+
+    def build_with_probes(cfg, vocab):
+        model = original(cfg, vocab)
+        dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+
+        def pre(module, args):
+            if "initial" not in probe:
+                probe["initial"] = _checksums(module)
+
+        def mask(module, args, out):
+            if module.training and "mask" not in probe:
+                probe["mask"] = (out == 0).flatten()[:4096].clone()
+
+        model.register_forward_pre_hook(pre)
+        dropouts[0].register_forward_hook(mask)
+        return model
+
+    gtrain.build_model = build_with_probes
+    cfg = load_config(DEBUG, [o.removeprefix("--") for o in overrides])
+    info = dist.DistInfo.from_env("cpu")
+    dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
+    gtrain.train(cfg, info)
+    masks = [torch.zeros_like(probe["mask"]) for _ in range(info.world_size)]
+    torch.distributed.all_gather(masks, probe["mask"])
+    dist.teardown()
+    return {
+        "initial": probe["initial"],
+        "mask_fraction": probe["mask"].float().mean().item(),
+        "masks_equal": [torch.equal(masks[0], m) for m in masks],
+    }
+
+
+if __name__ == "__main__":
+    name, out_file, *rest = sys.argv[1:]
+    if name == "comm":
+        steps, every = int(rest[0]), rest[1] == "every"
+        result = worker_comm(rest[2:], steps, every)
+    elif name == "train_probe":
+        result = worker_train_probe(rest)
+    else:
+        raise SystemExit(f"unknown worker {name}")
+    rank = os.environ.get("RANK", "0")
+    Path(f"{out_file}.{rank}").write_text(json.dumps(result))
