@@ -27,8 +27,9 @@ def measure_peak_flops(
 ) -> float:
     """FLOP/s of a large square matmul in `dtype` on `device` (the best of several timed runs)."""
     size = size or (8192 if device.startswith("cuda") else 2048)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(0)  # never touch the global RNG (exact resume)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
     for _ in range(2):  # warm-up (kernel selection, allocator, AMX tile config)
         a @ b
     synchronize(device)

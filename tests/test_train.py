@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from gptrain import checkpoint
 from gptrain.__main__ import main as cli
@@ -28,7 +27,7 @@ def run(byte_data, run_dir, *overrides):
 
 
 def weights(run_dir, step=None):
-    return load_file(str(checkpoint.find(run_dir, step) / "model.safetensors"))
+    return checkpoint.load_model_state(checkpoint.find(run_dir, step))[0]
 
 
 def test_debug_run_learns_and_writes_outputs(byte_data, tmp_path, capsys):
@@ -75,6 +74,17 @@ def test_debug_run_learns_and_writes_outputs(byte_data, tmp_path, capsys):
     assert "sample:" in out.out + out.err and "done: 40 steps" in out.out + out.err
 
 
+def comparable(state: dict, n_embd: int = 64) -> dict:
+    """Weights minus the key part of each attention input bias: its true gradient is exactly zero
+    (a constant added to every score of a query leaves the softmax unchanged), so AdamW turns the
+    ~1e-11 rounding noise in it into full +-lr steps whose sign depends on the summation order."""
+    out = dict(state)
+    for k, v in state.items():
+        if k.endswith("attn.c_attn.bias"):
+            out[k] = torch.cat([v[:n_embd], v[2 * n_embd :]])
+    return out
+
+
 def test_accumulation_splits_are_equivalent(byte_data, tmp_path):
     """Same 1024-token batches: 1 micro-batch of 16 == 2 of 8 == 4 of 4 (float32)."""
     common = [
@@ -90,9 +100,10 @@ def test_accumulation_splits_are_equivalent(byte_data, tmp_path):
         run(byte_data, tmp_path / f"mb{mb}", f"train.micro_batch_size={mb}", *common)
         runs[mb] = weights(tmp_path / f"mb{mb}")
     for mb in (8, 4):
-        for k, v in runs[16].items():
+        for k, v in comparable(runs[16]).items():
+            got = comparable(runs[mb])[k]
             torch.testing.assert_close(
-                runs[mb][k], v, rtol=1e-5, atol=1e-6, msg=f"{k} differs for micro-batch {mb}"
+                got, v, rtol=1e-5, atol=1e-6, msg=f"{k} differs, micro-batch {mb}"
             )
     torch.manual_seed(1337)  # the initial weights: training really moved them
     init = build_model(load_config(DEBUG), 257).state_dict()
@@ -135,6 +146,7 @@ def test_half_written_checkpoint_is_invisible(byte_data, tmp_path):
         byte_data,
         run_dir,
         "train.max_steps=4",
+        "train.warmup_steps=1",
         "checkpoint.every=2",
         "eval.every=0",
         "eval.sample_every=0",
@@ -153,6 +165,7 @@ def test_resume_none_refuses_to_overwrite(byte_data, tmp_path, capsys):
         byte_data,
         run_dir,
         "train.max_steps=2",
+        "train.warmup_steps=1",
         "eval.every=0",
         "eval.sample_every=0",
         "eval.tokens=512",
