@@ -1,12 +1,12 @@
 """gptrain command line.
 
-    gptrain train --config configs/debug.toml            # one process
-    torchrun --nproc_per_node=2 -m gptrain train ...      # one machine, two processes
-    gptrain prepare --input a.txt --out data/my --tokenizer byte
-    gptrain sample --run runs/debug --prompt "ROMEO:"
-    gptrain bench --config configs/bench.toml
-    gptrain plot --run runs/debug
-    gptrain tokenizer train --input a.txt --vocab-size 4096 --out tok.json
+gptrain train --config configs/debug.toml            # one process
+torchrun --nproc_per_node=2 -m gptrain train ...      # one machine, two processes
+gptrain prepare --input a.txt --out data/my --tokenizer byte
+gptrain sample --run runs/debug --prompt "ROMEO:"
+gptrain bench --config configs/bench.toml
+gptrain plot --run runs/debug
+gptrain tokenizer train --input a.txt --vocab-size 4096 --out tok.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
-        print(f"gptrain: error: unknown command {cmd!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        print(
+            f"gptrain: error: unknown command {cmd!r}; choose one of: {', '.join(COMMANDS)}",
+            file=sys.stderr,
+        )
         return 2
     try:
         return importlib.import_module(COMMANDS[cmd]).main(rest) or 0
