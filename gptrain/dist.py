@@ -110,7 +110,8 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
     hosts = info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(addr, port, info.world_size, is_master=hosts, timeout=timeout)
+        with _muted_stderr():  # retries and time-outs are logged in C++; the UserError says it all
+            store = dist.TCPStore(addr, port, info.world_size, is_master=hosts, timeout=timeout)
     except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError
         why = _first_line(e)
         if hosts:
@@ -131,6 +132,20 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
     )
     _store = dist.PrefixStore("gptrain/", store)
     _store_host_is_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+@contextlib.contextmanager
+def _muted_stderr():
+    """Silence file descriptor 2 (torch's C++ logging) for a block; our own message follows."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class DistFailure(RuntimeError):
@@ -162,27 +177,23 @@ def unresponsive_peers(info: DistInfo, wait_s: float = 3.0) -> list[int] | None:
     wait_s (dead or stuck), or None when the store itself is gone (its host died)."""
     if _store is None:
         return None
-    saved = os.dup(2)  # the store client logs a C++ stack trace when its host is gone: mute it
     try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        _store.set_timeout(datetime.timedelta(seconds=wait_s))
-        _store.set(f"alive/{info.rank}", "1")
-        deadline = time.monotonic() + wait_s
-        while True:
-            missing = [
-                r
-                for r in range(info.world_size)
-                if r != info.rank and not _store.check([f"alive/{r}"])
-            ]
-            if not missing or time.monotonic() > deadline:
-                return missing
-            time.sleep(0.1)
+        with _muted_stderr():  # the store client logs C++ stack traces when its host is gone
+            return _poll_alive(info, wait_s)
     except (RuntimeError, OSError):
         return None
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+
+
+def _poll_alive(info: DistInfo, wait_s: float) -> list[int]:
+    _store.set_timeout(datetime.timedelta(seconds=wait_s))
+    _store.set(f"alive/{info.rank}", "1")
+    deadline = time.monotonic() + wait_s
+    while True:
+        others = [r for r in range(info.world_size) if r != info.rank]
+        missing = [r for r in others if not _store.check([f"alive/{r}"])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.1)
 
 
 def failure(e: BaseException, info: DistInfo) -> DistFailure | None:
@@ -325,9 +336,9 @@ def nproc_for(spec: str) -> int:
         raise UserError(
             f"dist.nproc_per_node = {n} but this machine has {gpus} GPUs; use at most {gpus} or auto"
         )
-    if not gpus and n > (os.cpu_count() or 1):
+    if not gpus and n > cpu_cores():
         raise UserError(
-            f"dist.nproc_per_node = {n} but this machine has {os.cpu_count()} CPU cores and no GPU; use at most {os.cpu_count()} or auto"
+            f"dist.nproc_per_node = {n} but this machine has {cpu_cores()} CPU cores and no GPU; use at most {cpu_cores()} or auto"
         )
     return n
 

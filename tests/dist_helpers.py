@@ -46,26 +46,27 @@ def env(**extra) -> dict:
     return e
 
 
-def spawn(argv: list[str], world: int = 2, cwds=None, port: int | None = None, **extra):
-    """One subprocess per rank running `python ARGV` with torchrun's variables set by hand."""
+def spawn(argv, world: int = 2, cwds=None, port: int | None = None, ranks=None, **extra):
+    """One subprocess per rank running `python ARGV` with torchrun's variables set by hand.
+    argv: one list for every rank, or a function rank -> list; ranks: a subset to start."""
     port = port or free_port()
     procs = []
-    for rank in range(world):
-        e = env(
+    for rank in range(world) if ranks is None else ranks:
+        variables = dict(
             RANK=rank,
             WORLD_SIZE=world,
             LOCAL_RANK=rank,
             LOCAL_WORLD_SIZE=world,
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
-            **extra,
         )
-        cwd = cwds[rank] if cwds else REPO
+        variables.update(extra)
+        args = argv(rank) if callable(argv) else argv
         procs.append(
             subprocess.Popen(
-                [sys.executable, *argv],
-                env=e,
-                cwd=cwd,
+                [sys.executable, *args],
+                env=env(**variables),
+                cwd=cwds[rank] if cwds else REPO,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -101,7 +102,9 @@ def wait_all(procs, timeout: float = 120) -> list[tuple[int, str, str]]:
 
 def check_ok(results) -> None:
     for rank, (rc, o, e) in enumerate(results):
-        assert rc == 0, f"process {rank} exited {rc}\n--- stdout\n{o[-3000:]}\n--- stderr\n{e[-3000:]}"
+        assert rc == 0, (
+            f"process {rank} exited {rc}\n--- stdout\n{o[-3000:]}\n--- stderr\n{e[-3000:]}"
+        )
 
 
 # --- workers (run in the subprocesses) -------------------------------------------------------

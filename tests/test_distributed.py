@@ -1,0 +1,267 @@
+"""Multi-process tests (CPU, gloo, 2 ranks as subprocesses): DDP, FSDP2 and a two-node run train
+exactly like one process on the same global batches; gradients cross the wire once per optimizer
+step; only rank 0 writes; FSDP checkpoints resume; dead or stuck peers and bad input end the run
+with one clear line instead of a hang."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dist_helpers as h
+from gptrain import checkpoint
+from gptrain.config import load_config
+from gptrain.dist import DistInfo, cpu_cores
+from gptrain.train import train
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+# the same 1024-token global batch every step: 1 x 4 micro-batches of 4, or 2 ranks x 2 of 4;
+# a small clip threshold so that the global gradient-norm clipping acts on every step
+COMMON = [
+    f"--train.max_steps={STEPS}",
+    "--train.micro_batch_size=4",
+    "--train.total_batch_size=1024",
+    "--train.grad_clip=0.05",
+    *h.FAST,
+]
+TIMEOUT = 120
+
+
+def gptrain_args(byte_data, run_dir, *extra):
+    return ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", *COMMON, *extra]  # fmt: skip
+
+
+def metrics(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def assert_same_weights(a, b, what):
+    for k in a.keys() & b.keys():
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=f"{k} differs: {what}")
+
+
+@pytest.fixture(scope="module")
+def runs(byte_data, tmp_path_factory):
+    """The same 5 optimizer steps four ways; each entry is the run directory."""
+    root = tmp_path_factory.mktemp("dist")
+    out = {}
+    # 1 process, accumulation 4 (in this process)
+    cfg = load_config(h.DEBUG, [a[2:] for a in gptrain_args(byte_data, root / "single")[5:]])
+    train(cfg, DistInfo())
+    out["single"] = root / "single"
+
+    # DDP: 2 processes x accumulation 2, started by hand, each in its own working directory with a
+    # relative run.dir, so that anything a non-main rank writes would show up in its folder
+    cwds = [root / "ddp_rank0", root / "ddp_rank1"]
+    for c in cwds:
+        c.mkdir()
+    procs = h.spawn(gptrain_args(byte_data, "run", "--dist.mode=ddp"), cwds=cwds)
+    out["ddp_results"] = h.wait_all(procs, TIMEOUT)
+    h.check_ok(out["ddp_results"])
+    out["ddp"], out["ddp_cwds"] = cwds[0] / "run", cwds
+
+    # FSDP2: 2 processes x accumulation 2 through `gptrain train --dist.nproc_per_node=2`
+    # (torch.distributed.run underneath); a checkpoint at step 3 for the resume test
+    args = gptrain_args(byte_data, root / "fsdp", "--dist.mode=fsdp", "--dist.nproc_per_node=2", "--checkpoint.every=3")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, *args], env=h.env(), cwd=h.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    h.check_ok(h.wait_all([proc], TIMEOUT))
+    out["fsdp"] = root / "fsdp"
+
+    # two "nodes": two torchrun agents, --nnodes=2, one process each, c10d rendezvous on localhost
+    port = h.free_port()
+    launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=gptrain-test"]  # fmt: skip
+    train_args = gptrain_args(byte_data, root / "multinode", "--dist.mode=ddp")[1:]  # drop "-m"
+    agents = [h.torchrun(launcher, ["-m", *train_args]) for _ in range(2)]
+    h.check_ok(h.wait_all(agents, TIMEOUT))
+    out["multinode"] = root / "multinode"
+    return out
+
+
+def test_ddp_fsdp_multinode_equal_single_process(runs):
+    """1 x accumulation 4 == 2 DDP x 2 == 2 FSDP2 x 2 == 2 nodes x 1 x 2, in float32 after 5 steps."""
+    single = load_file(str(checkpoint.find(runs["single"]) / "model.safetensors"))
+    for name in ("ddp", "fsdp", "multinode"):
+        other = load_file(str(checkpoint.find(runs[name]) / "model.safetensors"))
+        assert checkpoint.load_meta(checkpoint.find(runs[name]))["step"] == STEPS
+        assert single.keys() <= other.keys(), name
+        assert_same_weights(single, other, f"1 process vs {name}")
+        if "lm_head.weight" in other:  # a full FSDP state dict names the tied weight twice
+            assert torch.equal(other["lm_head.weight"], other["transformer.wte.weight"])
+    torch.manual_seed(1337)  # training really moved the weights
+    cfg = load_config(h.DEBUG)
+    from gptrain.train import build_model
+
+    init = build_model(cfg, 257).state_dict()
+    assert max((init[k] - single[k]).abs().max().item() for k in single) > 1e-3
+
+
+def test_logged_metrics_are_global(runs):
+    """Logged loss = mean over micro-steps and ranks (equal to the 1-process loss); the grad norm
+    is the global one (clipping at 0.05 acted); tokens count the global batch."""
+    ref = metrics(runs["single"])
+    assert [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    for name in ("ddp", "fsdp", "multinode"):
+        rows = metrics(runs[name])
+        assert [r["step"] for r in rows] == [r["step"] for r in ref], name
+        for a, b in zip(ref, rows, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (name, a["step"])
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (name, a["step"])
+            assert b["tokens"] == a["tokens"] and b["tok_per_s"] > 0 and 0 < b["mfu"] < 1
+            assert a["grad_norm"] > 0.05  # so the clipping was active on every step
+    summary = json.loads((runs["ddp"] / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == STEPS
+
+
+def test_only_rank0_writes_and_prints(runs):
+    rank0, rank1 = runs["ddp_cwds"]
+    assert list(rank1.iterdir()) == []  # rank 1's run.dir ("run" relative to its cwd) never made
+    written = {p.name for p in (rank0 / "run").iterdir()}
+    assert {"metrics.jsonl", "train.log", "config.toml", "checkpoints", "summary.json"} <= written
+    (rc0, out0, _), (rc1, out1, err1) = runs["ddp_results"]
+    assert "done: 5 steps" in out0 and "world size 2" in out0
+    assert out1.strip() == "" and "step" not in err1
+
+
+def test_fsdp_checkpoint_resumes_exactly(runs, tmp_path):
+    """An FSDP2 run cut after its step-3 checkpoint and resumed (2 ranks, FSDP2 again) ends with
+    the uninterrupted run's weights and optimizer state."""
+    full, cut = runs["fsdp"], tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / f"step_{STEPS:08d}")
+    (cut / "checkpoints" / "latest").write_text("step_00000003\n")
+    args = ["-m", "gptrain", "train", "--config", str(cut / "config.toml"), f"--run.dir={cut}"]
+    procs = h.spawn(args)  # by hand this time, a third way to start workers
+    results = h.wait_all(procs, TIMEOUT)
+    h.check_ok(results)
+    assert "resumed from" in results[0][1] and "step_00000003" in results[0][1]
+    a = load_file(str(checkpoint.find(full) / "model.safetensors"))
+    b = load_file(str(checkpoint.find(cut) / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-7, msg=k)
+    sa, sb = (checkpoint.load_state(checkpoint.find(r)) for r in (full, cut))
+    assert sa["data"] == sb["data"] and sa["train_state"]["step"] == sb["train_state"]["step"]
+    for k, v in sa["optimizer"]["state"].items():
+        for name, t in v.items():
+            torch.testing.assert_close(sb["optimizer"]["state"][k][name], t, rtol=1e-6, atol=1e-7)
+
+
+def run_comm_worker(byte_data, tmp_path, mode, accum_micro=2, steps=3):
+    out = tmp_path / f"comm-{mode}"
+    # micro-batch 2 of 64 tokens x 2 ranks x 4 micro-steps = 1024 tokens
+    overrides = [f"--data.dir={byte_data}", "--train.micro_batch_size=2", "--train.total_batch_size=1024"]  # fmt: skip
+    procs = h.spawn([str(h.REPO / "tests" / "dist_helpers.py"), "comm", str(out), str(steps), mode, *overrides])  # fmt: skip
+    h.check_ok(h.wait_all(procs, TIMEOUT))
+    return [json.loads((tmp_path / f"comm-{mode}.{r}").read_text()) for r in range(2)]
+
+
+def test_gradients_all_reduced_once_per_step_and_ranks_stay_identical(byte_data, tmp_path):
+    """With accumulation 4 a DDP communication hook sees every gradient element once per
+    optimizer step; without no_sync() (the control) it would see it 4 times."""
+    once = run_comm_worker(byte_data, tmp_path, "once")
+    control = run_comm_worker(byte_data, tmp_path, "every", steps=1)
+    for rank in range(2):
+        rec = once[rank]
+        assert rec["accum"] == 4
+        assert rec["initial"][0] == rec["initial"][1]  # identical parameters before training
+        for step in rec["steps"]:
+            assert step["elements"] == rec["params"] and step["buckets"] >= 1
+            assert step["checksums"][0] == step["checksums"][1]  # identical after every step
+        assert rec["steps"][0]["checksums"] != rec["steps"][-1]["checksums"]  # and they moved
+        assert control[rank]["steps"][0]["elements"] == rec["accum"] * rec["params"]
+
+
+def test_identical_init_and_rank_specific_dropout(byte_data, tmp_path):
+    """The real train() on 2 ranks with dropout: parameters identical on both ranks before the
+    first forward, dropout masks different (each rank has its own stream)."""
+    out = tmp_path / "probe"
+    args = [str(h.REPO / "tests" / "dist_helpers.py"), "train_probe", str(out), f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'run'}", "--model.dropout=0.1", *COMMON]  # fmt: skip
+    args = [a for a in args if not a.startswith("--train.max_steps")] + ["--train.max_steps=2"]
+    h.check_ok(h.wait_all(h.spawn(args), TIMEOUT))
+    probes = [json.loads((tmp_path / f"probe.{r}").read_text()) for r in range(2)]
+    for p in probes:
+        assert p["initial"][0] == p["initial"][1]
+        assert 0.05 < p["mask_fraction"] < 0.15  # a dropout mask was really probed
+        assert p["masks_equal"] == [True, False]
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_dead_or_stuck_peer_ends_the_run_with_its_rank(byte_data, tmp_path, how):
+    """Rank 1 killed (or frozen) mid-run: rank 0 exits non-zero within the time-out, one line
+    naming itself, the operation and rank 1."""
+    timeout_s = 5
+    args = gptrain_args(byte_data, tmp_path / "run", "--train.max_steps=100000", f"--dist.timeout_s={timeout_s}")  # fmt: skip
+    procs = h.spawn(args)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "step 2/" not in procs[0].stdout.readline():  # rank 0 is training
+            assert time.monotonic() < deadline and procs[0].poll() is None
+        procs[1].send_signal(getattr(signal, how))
+        t0 = time.monotonic()
+        _, err = procs[0].communicate(timeout=timeout_s + 30)
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+    assert procs[0].returncode not in (0, None)
+    assert elapsed < timeout_s + 15
+    line = [x for x in err.splitlines() if x.startswith("gptrain: error:")]
+    assert len(line) == 1 and "Traceback" not in err, err[-2000:]
+    assert "rank 0 of 2: `" in line[0] and "failed: rank 1 does not answer" in line[0], line[0]
+
+
+def one_line_errors(results, needle):
+    for rank, (rc, out, err) in enumerate(results):
+        lines = err.strip().splitlines()
+        assert rc == 2, f"rank {rank} exited {rc}: {err[-2000:]}"
+        assert len(lines) == 1 and lines[0].startswith("gptrain: error:"), (rank, err[-2000:])
+        assert needle in lines[0], (rank, lines[0])
+
+
+def test_bad_input_world_size_does_not_divide_batch(byte_data, tmp_path):
+    # 1536 tokens = 3 micro-steps of 8 x 64 on one process, but not divisible over 2 ranks
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--train.total_batch_size=1536"]  # fmt: skip
+    one_line_errors(h.wait_all(h.spawn(args), TIMEOUT), "x world size (2) = 1024")
+    launched = subprocess.run([sys.executable, *args, "--dist.nproc_per_node=2"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    one_line_errors([(launched.returncode, launched.stdout, launched.stderr)], "nearest valid")
+    assert not (tmp_path / "r").exists()
+
+
+def test_bad_input_mismatched_configs(byte_data, tmp_path):
+    def args(rank):
+        lr = "--train.lr=1e-3" if rank == 0 else "--train.lr=2e-3"  # "node" 1 has another config
+        return ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", lr]  # fmt: skip
+
+    one_line_errors(h.wait_all(h.spawn(args), TIMEOUT), "config differs between ranks")
+
+
+def test_bad_input_more_processes_than_cores(byte_data, tmp_path):
+    n = cpu_cores() + 1
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}"]  # fmt: skip
+    # under a launcher: every started rank refuses (two of the n are enough to show it)
+    procs = h.spawn(args, world=n, ranks=[0, 1], LOCAL_WORLD_SIZE=n)
+    one_line_errors(h.wait_all(procs, TIMEOUT), f"has {n - 1} CPU cores")
+    launched = subprocess.run([sys.executable, *args, f"--dist.nproc_per_node={n}"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    one_line_errors([(launched.returncode, launched.stdout, launched.stderr)], f"nproc_per_node = {n}")
+
+
+def test_bad_input_unreachable_rendezvous(byte_data, tmp_path):
+    """Rank 1 alone: nobody listens at the endpoint; rank 0 alone: nobody joins. Both end after
+    dist.timeout_s with one line naming the address."""
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--dist.timeout_s=2"]  # fmt: skip
+    port = h.free_port()
+    worker = h.spawn(args, ranks=[1], port=port)
+    one_line_errors(h.wait_all(worker, 60), f"rank 1: cannot reach the rendezvous at 127.0.0.1:{port}")
+    port = h.free_port()
+    host = h.spawn(args, ranks=[0], port=port)
+    one_line_errors(h.wait_all(host, 60), "rank 0: not all 2 processes reached the rendezvous")
