@@ -10,11 +10,11 @@ import subprocess
 import sys
 import time
 
+import dist_helpers as h
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import dist_helpers as h
 from gptrain import checkpoint
 from gptrain.config import load_config
 from gptrain.dist import DistInfo, cpu_cores
@@ -221,7 +221,7 @@ def test_dead_or_stuck_peer_ends_the_run_with_its_rank(byte_data, tmp_path, how)
 
 
 def one_line_errors(results, needle):
-    for rank, (rc, out, err) in enumerate(results):
+    for rank, (rc, _out, err) in enumerate(results):
         lines = err.strip().splitlines()
         assert rc == 2, f"rank {rank} exited {rc}: {err[-2000:]}"
         assert len(lines) == 1 and lines[0].startswith("gptrain: error:"), (rank, err[-2000:])
@@ -252,7 +252,9 @@ def test_bad_input_more_processes_than_cores(byte_data, tmp_path):
     procs = h.spawn(args, world=n, ranks=[0, 1], LOCAL_WORLD_SIZE=n)
     one_line_errors(h.wait_all(procs, TIMEOUT), f"has {n - 1} CPU cores")
     launched = subprocess.run([sys.executable, *args, f"--dist.nproc_per_node={n}"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
-    one_line_errors([(launched.returncode, launched.stdout, launched.stderr)], f"nproc_per_node = {n}")
+    one_line_errors(
+        [(launched.returncode, launched.stdout, launched.stderr)], f"nproc_per_node = {n}"
+    )
 
 
 def test_bad_input_unreachable_rendezvous(byte_data, tmp_path):
@@ -261,7 +263,9 @@ def test_bad_input_unreachable_rendezvous(byte_data, tmp_path):
     args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--dist.timeout_s=2"]  # fmt: skip
     port = h.free_port()
     worker = h.spawn(args, ranks=[1], port=port)
-    one_line_errors(h.wait_all(worker, 60), f"rank 1: cannot reach the rendezvous at 127.0.0.1:{port}")
+    one_line_errors(
+        h.wait_all(worker, 60), f"rank 1: cannot reach the rendezvous at 127.0.0.1:{port}"
+    )
     port = h.free_port()
     host = h.spawn(args, ranks=[0], port=port)
     one_line_errors(h.wait_all(host, 60), "rank 0: not all 2 processes reached the rendezvous")
