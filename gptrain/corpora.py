@@ -173,8 +173,8 @@ def decode_utf8(raw: bytes, source: str, utf8_errors: str, stats: dict) -> str:
         bad = text.count("\ufffd") - raw.count("\ufffd".encode())
         if utf8_errors != "replace":
             raise UserError(
-                f"{source}: {bad} invalid UTF-8 sequence(s), first at byte {e.start}; fix the file or pass "
-                "--utf8-errors replace to replace them with U+FFFD (counted in the manifest)"
+                f"{source}: {bad} invalid UTF-8 sequence(s), first at byte {e.start}; fix the file or drop "
+                "--utf8-errors strict to replace them with U+FFFD (counted in the manifest)"
             ) from None
         stats[source] = stats.get(source, 0) + bad
         print(

@@ -174,7 +174,7 @@ def prepare(
     text_field: str = "text",
     seed: int = 1337,
     progress: bool = True,
-    utf8_errors: str = "strict",
+    utf8_errors: str = "replace",
     command: str | None = None,
 ) -> dict:
     """Tokenize `inputs` into shards + manifest.json in `out` (atomically); return the manifest."""
@@ -332,7 +332,12 @@ def main(argv) -> int:
     parser.add_argument("--shard-tokens", type=int, default=100_000_000)
     parser.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8))
     parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--utf8-errors", choices=["strict", "replace"], default="strict")
+    parser.add_argument(
+        "--utf8-errors",
+        choices=["strict", "replace"],
+        default="replace",
+        help="replace (default): invalid UTF-8 becomes U+FFFD, counted, reported and recorded in the manifest; strict: refuse the input",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--verify", metavar="DIR", help="check every shard hash of a prepared folder and exit"

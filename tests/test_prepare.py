@@ -145,14 +145,14 @@ def test_parquet(tmp_path):
 def test_invalid_utf8_counted_reported_replaced(tmp_path, capsys):
     f = tmp_path / "bad.txt"
     f.write_bytes(b"good text \xff\xfe and more \xc3 end " * 10)
-    code, err = run_cli(capsys, "--input", f, "--out", tmp_path / "d")
+    code, err = run_cli(capsys, "--input", f, "--out", tmp_path / "d", "--utf8-errors", "strict")
     assert (
         code == 2
         and "30 invalid UTF-8 sequence(s), first at byte 10" in err
         and err.count("\n") == 1
     )
     assert not (tmp_path / "d").exists()
-    code, err = run_cli(capsys, "--input", f, "--out", tmp_path / "d", "--utf8-errors", "replace")
+    code, err = run_cli(capsys, "--input", f, "--out", tmp_path / "d")  # default: replace
     assert code == 0 and "replaced 30 invalid UTF-8" in err
     m = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert m["invalid_utf8"] == {"replaced": 30, "files": {str(f): 30}}
