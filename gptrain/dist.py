@@ -257,6 +257,16 @@ def check_same_config(config_text: str, info: DistInfo) -> None:
         )
 
 
+def check_options(cfg_dist, accum: int, info: DistInfo) -> None:
+    """Refuse [dist] settings that torch cannot run correctly (on every rank, before training)."""
+    if cfg_dist.mode == "ddp" and cfg_dist.static_graph and accum > 1 and info.world_size > 1:
+        raise UserError(
+            f"dist.static_graph = true with gradient accumulation ({accum} micro-steps) hits a PyTorch DDP bug "
+            "(static_graph + no_sync(): pytorch/pytorch#143580, crashes or stops syncing gradients); "
+            "use dist.static_graph=false, or a total_batch_size with accumulation 1"
+        )
+
+
 def wrap_model(
     model: nn.Module,
     *,

@@ -204,6 +204,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     t, run_dir = cfg.train, cfg.run.dir
     dist.check_same_config(to_toml(cfg), info)
     accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
+    dist.check_options(cfg.dist, accum, info)
     if cfg.dist.mode == "fsdp" and t.dtype == "float16":
         raise UserError(
             "dist.mode = 'fsdp' with train.dtype = 'float16' is not supported; use bfloat16 or float32"

@@ -79,7 +79,9 @@ def runs(byte_data, tmp_path_factory):
     # two "nodes": two torchrun agents, --nnodes=2, one process each, c10d rendezvous on localhost
     port = h.free_port()
     launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=gptrain-test"]  # fmt: skip
-    train_args = gptrain_args(byte_data, root / "multinode", "--dist.mode=ddp")[1:]  # drop "-m"
+    # (with other DDP settings than the defaults: no bucket views, 1 MB buckets)
+    ddp_options = ["--dist.gradient_as_bucket_view=false", "--dist.bucket_cap_mb=1"]
+    train_args = gptrain_args(byte_data, root / "multinode", *ddp_options)[1:]  # drop "-m"
     agents = [h.torchrun(launcher, ["-m", *train_args]) for _ in range(2)]
     h.check_ok(h.wait_all(agents, TIMEOUT))
     out["multinode"] = root / "multinode"
@@ -237,6 +239,13 @@ def test_bad_input_world_size_does_not_divide_batch(byte_data, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_bad_input_static_graph_with_accumulation(byte_data, tmp_path):
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--train.total_batch_size=2048", "--dist.static_graph=true"]  # fmt: skip
+    one_line_errors(
+        h.wait_all(h.spawn(args), TIMEOUT), "dist.static_graph = true with gradient accumulation (2"
+    )
+
+
 def test_bad_input_mismatched_configs(byte_data, tmp_path):
     def args(rank):
         lr = "--train.lr=1e-3" if rank == 0 else "--train.lr=2e-3"  # "node" 1 has another config
@@ -269,3 +278,16 @@ def test_bad_input_unreachable_rendezvous(byte_data, tmp_path):
     port = h.free_port()
     host = h.spawn(args, ranks=[0], port=port)
     one_line_errors(h.wait_all(host, 60), "rank 0: not all 2 processes reached the rendezvous")
+
+
+def test_fsdp_bf16_mixed_precision_under_torchrun(runs, byte_data, tmp_path):
+    """`torchrun --standalone --nproc_per_node=2` with FSDP2 and bf16 compute (MixedPrecisionPolicy,
+    fp32 reduction): trains, keeps fp32 master weights, and its losses track the fp32 run's."""
+    run_dir = tmp_path / "bf16"
+    args = gptrain_args(byte_data, run_dir, "--dist.mode=fsdp", "--train.dtype=bfloat16")
+    proc = h.torchrun(["--standalone", "--nproc_per_node=2"], args)
+    h.check_ok(h.wait_all([proc], TIMEOUT))
+    weights = load_file(str(checkpoint.find(run_dir) / "model.safetensors"))
+    assert {v.dtype for v in weights.values()} == {torch.float32}
+    for a, b in zip(metrics(runs["single"]), metrics(run_dir), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), a["step"]
