@@ -168,7 +168,7 @@ def _operation(e: BaseException) -> str:
     if "backward" in (f.line or ""):
         what += " (gradient all-reduce / reduce-scatter)"
     elif "wrapped(" in (f.line or "") or "model(" in (f.line or ""):
-        what += " (forward: DDP's pending gradient sync or FSDP's parameter all-gather)"
+        what += " (forward: DDP's start-of-step collectives or FSDP's parameter all-gather)"
     return what
 
 
