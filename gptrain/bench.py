@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from contextlib import nullcontext
 
 import torch
 
@@ -21,7 +20,8 @@ from gptrain import dist
 from gptrain.config import accumulation_steps, load_config
 from gptrain.metrics import measure_peak_flops, synchronize
 from gptrain.optim import build_optimizer
-from gptrain.train import build_model, resolve_dtype, train_step
+from gptrain.precision import mixed_precision, resolve_dtype
+from gptrain.train import build_model, train_step
 
 VOCAB = {"byte": 257, "gpt2": 50257}
 
@@ -35,26 +35,12 @@ def bench_one(
     vocab = VOCAB.get(cfg.data.tokenizer, 50257)
     model = build_model(cfg, vocab).to(info.device)
     ptdtype = resolve_dtype(dtype, info.device_type)
-    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
-    wrapped = dist.wrap_model(
-        model,
-        mode=cfg.dist.mode,
-        info=info,
-        compile=compile,
-        param_dtype=ptdtype,
-        bucket_cap_mb=cfg.dist.bucket_cap_mb,
-        gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
-        static_graph=cfg.dist.static_graph,
-    )
+    wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=compile, param_dtype=ptdtype)
     optimizer = build_optimizer(
         model, lr=t.lr, weight_decay=t.weight_decay, device_type=info.device_type
     )
-    autocast = (
-        torch.autocast(info.device_type, dtype=ptdtype)
-        if ptdtype != torch.float32 and not fsdp
-        else nullcontext()
-    )
-    scaler = torch.amp.GradScaler(info.device_type, enabled=ptdtype == torch.float16)
+    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
+    autocast, scaler = mixed_precision(ptdtype, info.device_type, fsdp)
     accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
     gen = torch.Generator().manual_seed(t.seed + info.rank)
     batches = [

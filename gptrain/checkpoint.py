@@ -115,6 +115,23 @@ def find(run_dir: str | Path, step: int | None = None) -> Path:
     return path
 
 
+def resume_point(run_dir: str | Path, resume: str) -> Path | None:
+    """checkpoint.resume → the checkpoint to continue from, or None to start fresh.
+
+    auto: the latest one when there is one; latest: it must exist; none: start fresh, refused when
+    the run directory already has checkpoints (never overwrite a run); a number: that step."""
+    newest = latest(run_dir)
+    if resume == "auto":
+        return newest
+    if resume == "none":
+        if newest is not None:
+            raise UserError(
+                f"run.dir {run_dir} already has checkpoints (latest {newest.name}) and checkpoint.resume = 'none'; choose a new --run.dir or resume with --checkpoint.resume=auto"
+            )
+        return None
+    return find(run_dir, None if resume == "latest" else int(resume))
+
+
 def load_meta(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / "meta.json"
     try:

@@ -333,3 +333,29 @@ def help_text() -> str:
             )
             out.append(f"      {f.metadata['help']}")
     return "\n".join(out)
+
+
+def parse_cli(argv: list[str], usage: str = "") -> tuple[str | None, list[str]]:
+    """`[--config FILE] [--section.key=value ...] [--help]` → (config file, overrides); --help
+    prints `usage` and every key's documentation."""
+    config_file, overrides, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(usage.strip() + "\n\n" + help_text())
+            raise SystemExit(0)
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise UserError("--config needs a file, e.g. --config configs/debug.toml")
+            config_file, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            config_file = arg.split("=", 1)[1]
+        elif arg.startswith("--") and "=" in arg:
+            overrides.append(arg[2:])
+        else:
+            raise UserError(
+                f"unexpected argument {arg!r}; use --config FILE and --section.key=value (see --help)"
+            )
+        i += 1
+    return config_file, overrides

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gptrain.config import DistConfig
 from gptrain.errors import UserError
 
 
@@ -243,6 +244,24 @@ def barrier() -> None:
         dist.barrier()
 
 
+def local_main_first(info: DistInfo, fn):
+    """Run fn on each node's local rank 0 first (e.g. a download into the machine's cache), then
+    on the other ranks; an error on any rank is raised on every rank instead of a hang."""
+    result, error = None, ""
+    for turn in (True, False):
+        if (info.local_rank == 0) == turn:
+            try:
+                result = fn()
+            except UserError as e:
+                error = str(e)
+        failed = torch.tensor([1.0 if error else 0.0])
+        if active():
+            dist.all_reduce(failed)
+        if failed.item():
+            raise UserError(error or "another rank failed while preparing data (see its message)")
+    return result
+
+
 def check_same_config(config_text: str, info: DistInfo) -> None:
     """Every rank (and so every node) must run the same config: compare hashes at start-up."""
     if not active():
@@ -257,7 +276,7 @@ def check_same_config(config_text: str, info: DistInfo) -> None:
         )
 
 
-def check_options(cfg_dist, accum: int, info: DistInfo) -> None:
+def check_options(cfg_dist: DistConfig, accum: int, info: DistInfo) -> None:
     """Refuse [dist] settings that torch cannot run correctly (on every rank, before training)."""
     if cfg_dist.mode == "ddp" and cfg_dist.static_graph and accum > 1 and info.world_size > 1:
         raise UserError(
@@ -268,15 +287,7 @@ def check_options(cfg_dist, accum: int, info: DistInfo) -> None:
 
 
 def wrap_model(
-    model: nn.Module,
-    *,
-    mode: str,
-    info: DistInfo,
-    compile: bool,
-    param_dtype: torch.dtype,
-    bucket_cap_mb: int = 25,
-    gradient_as_bucket_view: bool = True,
-    static_graph: bool = False,
+    model: nn.Module, cfg: DistConfig, *, info: DistInfo, compile: bool, param_dtype: torch.dtype
 ) -> nn.Module:
     """Apply compile and data parallelism from outside the model, always in this order:
 
@@ -290,7 +301,7 @@ def wrap_model(
     The returned module is what the training loop calls; save the original `model` (its keys are
     the plain ones). The caller builds the optimizer after wrapping (FSDP replaces parameters).
     """
-    if mode == "fsdp" and info.world_size > 1:
+    if cfg.mode == "fsdp" and info.world_size > 1:
         try:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         except ImportError:
@@ -316,9 +327,9 @@ def wrap_model(
         return DDP(
             model,
             device_ids=device_ids,
-            bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            static_graph=cfg.static_graph,
         )
     return model
 

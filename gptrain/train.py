@@ -19,14 +19,14 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
 
 from gptrain import checkpoint, dist
-from gptrain.config import Config, accumulation_steps, help_text, load_config, to_toml
+from gptrain.config import Config, accumulation_steps, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
+from gptrain.evals import evaluate
 from gptrain.metrics import (
     NullLogger,
     RunLogger,
@@ -35,55 +35,7 @@ from gptrain.metrics import (
     mfu,
     synchronize,
 )
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """`[--config FILE] [--section.key=value ...]` → (config file, overrides)."""
-    config_file, overrides, i = None, [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            print(__doc__.strip() + "\n\n" + help_text())
-            raise SystemExit(0)
-        if arg == "--config":
-            if i + 1 >= len(argv):
-                raise UserError("--config needs a file, e.g. --config configs/debug.toml")
-            config_file, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--config="):
-            config_file = arg.split("=", 1)[1]
-        elif arg.startswith("--") and "=" in arg:
-            overrides.append(arg[2:])
-        else:
-            raise UserError(
-                f"unexpected argument {arg!r}; use --config FILE and --section.key=value (see --help)"
-            )
-        i += 1
-    return config_file, overrides
-
-
-def cpu_supports_bf16() -> bool:
-    """bf16 autocast pays off on CPUs with native bf16 matmul (AVX512-BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device_type: str) -> torch.dtype:
-    if name != "auto":
-        if name == "float16" and device_type != "cuda":
-            raise UserError(
-                "train.dtype = 'float16' needs a CUDA device; use auto, bfloat16 or float32"
-            )
-        return DTYPES[name]
-    if device_type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+from gptrain.precision import mixed_precision, resolve_dtype
 
 
 def build_model(cfg: Config, vocab_size: int):
@@ -105,57 +57,6 @@ def build_model(cfg: Config, vocab_size: int):
             **arch,
         )
     )
-
-
-def local_main_first(info: dist.DistInfo, fn):
-    """Run fn on each node's local rank 0 first (e.g. a download into the machine's cache), then
-    on the other ranks; an error on any rank is raised on every rank instead of a hang."""
-    result, error = None, ""
-    for turn in (True, False):
-        if (info.local_rank == 0) == turn:
-            try:
-                result = fn()
-            except UserError as e:
-                error = str(e)
-        failed = torch.tensor([1.0 if error else 0.0])
-        if dist.active():
-            torch.distributed.all_reduce(failed)
-        if failed.item():
-            raise UserError(error or "another rank failed while preparing data (see its message)")
-    return result
-
-
-@torch.no_grad()
-def evaluate(
-    model, dataset, cfg: Config, info: dist.DistInfo, autocast, byte_lengths: torch.Tensor
-) -> tuple[float, float]:
-    """Loss (nats/token) and bits per byte on the fixed validation budget, exact over all ranks."""
-    from gptrain.loader import val_batches
-
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss*tokens, tokens, bytes
-    for x, y in val_batches(
-        dataset,
-        cfg.train.seq_len,
-        cfg.train.micro_batch_size,
-        cfg.eval.tokens,
-        info.rank,
-        info.world_size,
-        info.device,
-    ):
-        with autocast:
-            _, loss = model(x, y)
-        mask = y != -1
-        n = mask.sum()
-        if n > 0:
-            sums[0] += loss.double() * n
-        sums[1] += n
-        sums[2] += byte_lengths[y[mask]].sum()
-    dist.all_reduce_sum(sums)
-    model.train()
-    loss_sum, tokens, nbytes = sums.tolist()
-    val_loss = loss_sum / tokens
-    return val_loss, loss_sum / math.log(2) / max(nbytes, 1)
 
 
 def train_step(
@@ -211,7 +112,9 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         )
 
     # data: a prepared folder, or a built-in corpus prepared once per machine
-    data_dir = local_main_first(info, lambda: resolve_data_dir(cfg.data.dir, cfg.data.tokenizer))
+    data_dir = dist.local_main_first(
+        info, lambda: resolve_data_dir(cfg.data.dir, cfg.data.tokenizer)
+    )
     dataset = Dataset(data_dir)
     tokenizer = dataset.tokenizer
     loader = TrainLoader(
@@ -229,43 +132,17 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     torch.manual_seed(t.seed)
     model = build_model(cfg, dataset.vocab_size).to(info.device)
     ptdtype = resolve_dtype(t.dtype, info.device_type)
-    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
-    wrapped = dist.wrap_model(
-        model,
-        mode=cfg.dist.mode,
-        info=info,
-        compile=t.compile,
-        param_dtype=ptdtype,
-        bucket_cap_mb=cfg.dist.bucket_cap_mb,
-        gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
-        static_graph=cfg.dist.static_graph,
-    )
+    wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=t.compile, param_dtype=ptdtype)
     optimizer = build_optimizer(
         model, lr=t.lr, weight_decay=t.weight_decay, device_type=info.device_type
     )
-    # FSDP casts parameters itself (MixedPrecisionPolicy); otherwise autocast does the mixed precision
-    use_autocast = ptdtype != torch.float32 and not fsdp
-    autocast = torch.autocast(info.device_type, dtype=ptdtype) if use_autocast else nullcontext()
-    scaler = torch.amp.GradScaler(info.device_type, enabled=ptdtype == torch.float16)
+    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
+    autocast, scaler = mixed_precision(ptdtype, info.device_type, fsdp)
     byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
 
     # resume: from the latest checkpoint of this run directory when there is one
     step, tokens_seen, elapsed_before = 0, 0, 0.0
-    ckpt = (
-        checkpoint.latest(run_dir)
-        if cfg.checkpoint.resume == "auto"
-        else (
-            None
-            if cfg.checkpoint.resume == "none"
-            else checkpoint.find(
-                run_dir, None if cfg.checkpoint.resume == "latest" else int(cfg.checkpoint.resume)
-            )
-        )
-    )
-    if cfg.checkpoint.resume == "none" and checkpoint.latest(run_dir) is not None:
-        raise UserError(
-            f"run.dir {run_dir} already has checkpoints and checkpoint.resume = 'none'; choose a new --run.dir or resume with --checkpoint.resume=auto"
-        )
+    ckpt = checkpoint.resume_point(run_dir, cfg.checkpoint.resume)
     if ckpt is not None:
         saved_tok = checkpoint.load_meta(ckpt).get("tokenizer", {})
         if saved_tok.get("hash") != tokenizer.identity().get("hash"):
@@ -336,7 +213,14 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         out = {}
         if eval_now:
             out["val_loss"], out["val_bpb"] = evaluate(
-                wrapped, dataset, cfg, info, autocast, byte_lengths
+                wrapped,
+                dataset,
+                seq_len=t.seq_len,
+                micro_batch_size=t.micro_batch_size,
+                eval_tokens=cfg.eval.tokens,
+                info=info,
+                autocast=autocast,
+                byte_lengths=byte_lengths,
             )
             logger.text(
                 f"step {step}: val loss {out['val_loss']:.4f}, val bpb {out['val_bpb']:.4f}"
@@ -469,7 +353,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    config_file, overrides = parse_args(argv)
+    config_file, overrides = parse_cli(argv, __doc__)
     cfg = load_config(config_file, overrides)
     if (
         "RANK" not in os.environ

@@ -128,16 +128,7 @@ def _setup(overrides: list[str]):
     loader = TrainLoader(dataset, t.seq_len, t.micro_batch_size, info.rank, info.world_size, t.seed)
     torch.manual_seed(t.seed)
     model = build_model(cfg, dataset.vocab_size)
-    wrapped = dist.wrap_model(
-        model,
-        mode=cfg.dist.mode,
-        info=info,
-        compile=False,
-        param_dtype=torch.float32,
-        bucket_cap_mb=cfg.dist.bucket_cap_mb,
-        gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
-        static_graph=cfg.dist.static_graph,
-    )
+    wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=False, param_dtype=torch.float32)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, device_type="cpu")
     accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
     return cfg, info, model, wrapped, optimizer, loader, accum

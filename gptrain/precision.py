@@ -1,0 +1,49 @@
+"""Numeric precision: which dtype a run computes in, and the autocast / GradScaler that go with it.
+
+`train.dtype = auto` picks bf16 where the device has fast bf16 (CUDA with bf16, CPUs with
+AVX512-BF16 or AMX), float16 + GradScaler on GPUs without bf16, else float32. Under FSDP2 the
+MixedPrecisionPolicy casts parameters instead of autocast (see dist.wrap_model).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+from gptrain.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_supports_bf16() -> bool:
+    """bf16 autocast pays off on CPUs with native bf16 matmul (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    """train.dtype (auto | float32 | bfloat16 | float16) → the compute dtype on this device."""
+    if name != "auto":
+        if name == "float16" and device_type != "cuda":
+            raise UserError(
+                "train.dtype = 'float16' needs a CUDA device; use auto, bfloat16 or float32"
+            )
+        return DTYPES[name]
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def mixed_precision(
+    dtype: torch.dtype, device_type: str, fsdp: bool
+) -> tuple[AbstractContextManager, torch.amp.GradScaler]:
+    """(autocast context, GradScaler) for a compute dtype. FSDP2 casts parameters itself, so it
+    gets no autocast; the scaler is active only for float16."""
+    use_autocast = dtype != torch.float32 and not fsdp
+    autocast = torch.autocast(device_type, dtype=dtype) if use_autocast else nullcontext()
+    return autocast, torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
