@@ -47,12 +47,19 @@ def _fsync_file(path: Path) -> None:
 
 
 def save(
-    run_dir: str | Path, step: int, model_state: dict, meta: dict, state: dict | None = None
+    run_dir: str | Path,
+    step: int,
+    model_state: dict,
+    meta: dict,
+    state: dict | None = None,
+    tied: dict[str, str] | None = None,
 ) -> Path:
     """Write checkpoint `step` under run_dir/checkpoints atomically and point `latest` at it.
 
     model_state: the unwrapped model's state dict (tensors); meta: JSON-able facts;
-    state: anything torch.save can hold (optimizer, data cursor, train state incl. RNG).
+    state: anything torch.save can hold (optimizer, data cursor, train state incl. RNG);
+    tied: {alias key: source key} of shared parameters (found from shared storage otherwise,
+    but a gathered FSDP state dict holds separate copies).
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -64,9 +71,11 @@ def save(
     bad = [k for k in model_state if k.startswith(("module.", "_orig_mod.")) or "._orig_mod." in k]
     if bad:
         raise ValueError(f"wrapper prefix in model state key {bad[0]!r}: save the unwrapped model")
-    tensors, tied, seen = {}, {}, {}
+    tensors, tied, seen = {}, dict(tied or {}), {}
     for k, v in model_state.items():  # tied weights (lm_head = wte) are stored once
         key = (v.data_ptr(), v.shape, v.dtype, v.device)
+        if k in tied:
+            continue
         if key in seen:
             tied[k] = seen[key]
             continue
@@ -200,6 +209,18 @@ def _set_rng_state(state: dict, device: str) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def shared_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """{alias name: first name} for parameters registered under several names (weight tying)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 def save_training(
     run_dir, step: int, model, optimizer, loader, train_state: dict, meta: dict, info
 ) -> Path | None:
@@ -225,7 +246,7 @@ def save_training(
             "data": loader.state_dict(),
             "train_state": {**train_state, "world_size": info.world_size, "rng": rngs},
         }
-        path = save(run_dir, step, model_state, meta, state)
+        path = save(run_dir, step, model_state, meta, state, tied=shared_parameters(model))
     gdist.barrier()
     return path
 
