@@ -22,25 +22,34 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_peak_flops(
-    device: str, dtype: torch.dtype, size: int | None = None, seconds: float = 0.5
-) -> float:
-    """FLOP/s of a large square matmul in `dtype` on `device` (the best of several timed runs)."""
-    size = size or (8192 if device.startswith("cuda") else 2048)
+# (M, K, N) shapes timed for the peak: a large square matmul and the tall, thin shapes of a
+# transformer's projections (tokens x width); some devices are fastest on the latter.
+PEAK_SHAPES = {
+    "cuda": [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 1024, 4096)],
+    "cpu": [(2048, 2048, 2048), (4096, 1024, 1024), (4096, 256, 1024)],
+}
+
+
+def measure_peak_flops(device: str, dtype: torch.dtype, seconds_per_shape: float = 0.25) -> float:
+    """Peak FLOP/s of this device in `dtype`: the fastest of several large matmuls (each the
+    best of repeated timed runs). MFU divides by this measured number, never a datasheet's."""
     gen = torch.Generator(device=device).manual_seed(0)  # never touch the global RNG (exact resume)
-    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
-    for _ in range(2):  # warm-up (kernel selection, allocator, AMX tile config)
-        a @ b
-    synchronize(device)
-    best, spent = math.inf, 0.0
-    while spent < seconds or best == math.inf:
-        t0 = time.perf_counter()
-        a @ b
+    peak = 0.0
+    for m, k, n in PEAK_SHAPES["cuda" if device.startswith("cuda") else "cpu"]:
+        a = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+        b = torch.randn(k, n, device=device, dtype=dtype, generator=gen)
+        for _ in range(2):  # warm-up (kernel selection, allocator, AMX tile config)
+            a @ b
         synchronize(device)
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-    return 2 * size**3 / best
+        best, spent = math.inf, 0.0
+        while spent < seconds_per_shape or best == math.inf:
+            t0 = time.perf_counter()
+            a @ b
+            synchronize(device)
+            dt = time.perf_counter() - t0
+            best, spent = min(best, dt), spent + dt
+        peak = max(peak, 2 * m * k * n / best)
+    return peak
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:

@@ -266,7 +266,8 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 
             last = step == t.max_steps
             eval_now = last or (cfg.eval.every > 0 and step % cfg.eval.every == 0)
-            if step % cfg.log.every == 0 or last or eval_now:
+            sample_now = last or (cfg.eval.sample_every > 0 and step % cfg.eval.sample_every == 0)
+            if step % cfg.log.every == 0 or last or eval_now or sample_now:
                 last_loss = dist.all_reduce_mean(loss_sum).item()  # mean over micro-steps and ranks
                 if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
                     grad_norm = grad_norm.full_tensor()
@@ -282,13 +283,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                     "tok_per_s": tok_per_s,
                     "mfu": mfu_now,
                 }
-                metrics.update(
-                    run_eval_and_sample(
-                        step,
-                        eval_now,
-                        last or (cfg.eval.sample_every > 0 and step % cfg.eval.sample_every == 0),
-                    )
-                )
+                metrics.update(run_eval_and_sample(step, eval_now, sample_now))
                 last_val = {
                     k: metrics[k] for k in ("val_loss", "val_bpb") if k in metrics
                 } or last_val

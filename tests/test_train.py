@@ -4,10 +4,15 @@ are equivalent, and a resumed run equals an uninterrupted one bit for bit."""
 import json
 import math
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from gptrain import checkpoint
 from gptrain.__main__ import main as cli
@@ -215,3 +220,36 @@ def test_bench_reports_tokens_and_mfu(capsys):
     row = [line for line in out.splitlines() if line.startswith("| float32")][0].split("|")
     tok_per_s, mfu = float(row[6].replace(",", "")), float(row[8].strip().rstrip("%"))
     assert tok_per_s > 0 and 0 < mfu < 100
+
+
+@pytest.mark.slow
+def test_compiled_run_equals_eager_and_saves_plain_keys(byte_data, tmp_path):
+    """train.compile=true trains, evaluates and samples; same weights as eager; no _orig_mod."""
+    common = ["train.max_steps=3", "train.warmup_steps=1", "eval.every=0", "eval.tokens=512"]
+    common += ["eval.sample_every=0", "eval.sample_tokens=4", "checkpoint.every=0"]
+    run(byte_data, tmp_path / "eager", *common)
+    run(byte_data, tmp_path / "compiled", "train.compile=true", *common)
+    raw = load_file(str(checkpoint.find(tmp_path / "compiled") / "model.safetensors"))
+    assert not any("_orig_mod" in k or k.startswith("module.") for k in raw)
+    a, b = comparable(weights(tmp_path / "eager")), comparable(weights(tmp_path / "compiled"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_ctrl_c_stops_cleanly_with_a_final_log_line(byte_data, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    args += [f"--run.dir={run_dir}", "--train.max_steps=100000", "--log.progress=false"]
+    args += ["--checkpoint.every=5", "--eval.every=0"]
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 120
+    while checkpoint.latest(run_dir) is None and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert "interrupted at step" in out + err and "run the same command to resume" in out + err
+    assert checkpoint.latest(run_dir) is not None  # what was written is intact and resumable
