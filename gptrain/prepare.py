@@ -36,7 +36,7 @@ from gptrain.errors import UserError
 from gptrain.shards import dtype_for_vocab, verify_dir, write_manifest, write_shard
 from gptrain.tokenizers import load_tokenizer
 
-CHUNK_CHARS = 1 << 20
+CHUNK_CHARS = 1 << 18
 
 
 def split_points(text: str, chunk: int | None = None) -> list[int]:
