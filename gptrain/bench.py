@@ -53,34 +53,16 @@ def bench_one(
     def next_batch():
         return batches[next(counter) % len(batches)]
 
+    def run_steps(n: int, sync: bool) -> None:
+        for _ in range(n):
+            train_step(wrapped, model, optimizer, scaler, next_batch, accum, autocast, t.grad_clip, sync=sync)  # fmt: skip
+
     def timed(n: int, sync: bool) -> float:
-        for _ in range(warmup):
-            train_step(
-                wrapped,
-                model,
-                optimizer,
-                scaler,
-                next_batch,
-                accum,
-                autocast,
-                t.grad_clip,
-                sync=sync,
-            )
+        run_steps(warmup, sync)
         synchronize(info.device)
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(n):
-            train_step(
-                wrapped,
-                model,
-                optimizer,
-                scaler,
-                next_batch,
-                accum,
-                autocast,
-                t.grad_clip,
-                sync=sync,
-            )
+        run_steps(n, sync)
         synchronize(info.device)
         dist.barrier()
         return (time.perf_counter() - t0) / n
