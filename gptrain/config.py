@@ -115,6 +115,15 @@ class DistConfig:
         "1",
         "processes to launch on this machine through torch.distributed.run: N or auto (one per GPU, 1 on CPU); ignored under torchrun",
     )
+    nnodes: int = opt(
+        1,
+        "machines in the job when gptrain launches the workers itself (run the same command on each); ignored under torchrun",
+    )
+    rdzv_endpoint: str = opt(
+        "",
+        "HOST:PORT of the c10d rendezvous (on one of the nodes), needed when nnodes > 1",
+    )
+    rdzv_id: str = opt("gptrain", "rendezvous id: the same on every node of one job")
     backend: str = opt(
         "auto",
         "process-group backend: auto (nccl with CUDA, else gloo), nccl or gloo",
@@ -281,6 +290,12 @@ def validate(cfg: Config) -> None:
     )
     _check(cfg.log.every >= 1, f"log.every = {cfg.log.every} must be >= 1")
     _check(cfg.dist.timeout_s >= 1, f"dist.timeout_s = {cfg.dist.timeout_s} must be >= 1")
+    _check(cfg.dist.nnodes >= 1, f"dist.nnodes = {cfg.dist.nnodes} must be >= 1")
+    ep = cfg.dist.rdzv_endpoint
+    _check(
+        cfg.dist.nnodes == 1 or ep.rpartition(":")[2].isdigit(),
+        f"dist.nnodes = {cfg.dist.nnodes} needs dist.rdzv_endpoint=HOST:PORT (a port on one of the nodes), got {ep!r}",
+    )
     n = cfg.dist.nproc_per_node
     _check(
         n == "auto" or (n.isdigit() and int(n) >= 1),

@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import hashlib
 import os
+import socket
 import sys
 import time
 import traceback
@@ -364,15 +365,63 @@ def nproc_for(spec: str) -> int:
     return n
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """Re-run `gptrain train ARGV` as `nproc` workers through torch.distributed.run (standalone).
+def _is_this_machine(host: str) -> bool:
+    """Whether the rendezvous host is this machine (then its agent hosts the c10d store)."""
+    if host == "localhost" or host == socket.gethostname():
+        return True
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    local = {"127.0.0.1", "::1"}
+    with contextlib.suppress(OSError):
+        local |= {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    return any(a.startswith("127.") for a in addrs) or bool(addrs & local)
 
-    Returns 0, 2 when every failed worker exited with 2 (bad input: they printed one line each),
-    else 1."""
+
+def check_endpoint(endpoint: str, timeout_s: float) -> None:
+    """Before launching a multi-node job: the rendezvous host must resolve and, unless it is this
+    machine, accept a TCP connection within timeout_s (it may start a little after us)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)
+    except OSError as e:
+        raise UserError(
+            f"dist.rdzv_endpoint = {endpoint!r}: cannot resolve host {host!r} ({e.strerror or e}); use a hostname or IP of the first node"
+        ) from None
+    if _is_this_machine(host):
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"dist.rdzv_endpoint = {endpoint!r}: nothing answers there after dist.timeout_s = {timeout_s} s ({e.strerror or e}); start the first node, check the address and the firewall"
+                ) from None
+            time.sleep(1.0)
+
+
+def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
+    """Re-run `gptrain train ARGV` as `nproc` workers on this machine through torch's own
+    launcher, torch.distributed.run: standalone, or one of cfg.nnodes machines meeting at a c10d
+    rendezvous (the same command runs on every node).
+
+    Returns 0, 2 for bad input (every failed worker exited with 2 after printing one line, or the
+    rendezvous could not be reached), else 1."""
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
-    args = ["--standalone", f"--nproc_per_node={nproc}", "-m", "gptrain", "train", *argv]
+    if cfg.nnodes > 1:
+        check_endpoint(cfg.rdzv_endpoint, cfg.timeout_s)
+        args = [f"--nnodes={cfg.nnodes}", "--rdzv_backend=c10d"]
+        args += [f"--rdzv_endpoint={cfg.rdzv_endpoint}", f"--rdzv_id={cfg.rdzv_id}"]
+    else:
+        args = ["--standalone"]
+    args += [f"--nproc_per_node={nproc}", "-m", "gptrain", "train", *argv]
     try:
         torch_run.main(args)
     except ChildFailedError as e:  # the workers printed their own errors already
@@ -383,4 +432,8 @@ def launch(nproc: int, argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2 if codes == [2] else 1
+    except RendezvousError as e:
+        raise UserError(
+            f"rendezvous at {cfg.rdzv_endpoint} failed ({_first_line(e)}); start the same command on all dist.nnodes = {cfg.nnodes} nodes"
+        ) from None
     return 0

@@ -350,16 +350,12 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 def main(argv: list[str]) -> int:
     config_file, overrides = parse_cli(argv, __doc__)
     cfg = load_config(config_file, overrides)
-    if (
-        "RANK" not in os.environ
-    ):  # not under torchrun: maybe launch workers through torch.distributed.run
-        nproc = dist.nproc_for(cfg.dist.nproc_per_node)
-        if nproc > 1:
-            t = cfg.train
-            accumulation_steps(
-                t.total_batch_size, t.micro_batch_size, t.seq_len, nproc
-            )  # fail before spawning
-            return dist.launch(nproc, argv)
+    if "RANK" not in os.environ:  # not under torchrun: maybe launch the workers ourselves
+        nproc, nnodes = dist.nproc_for(cfg.dist.nproc_per_node), cfg.dist.nnodes
+        if nproc > 1 or nnodes > 1:
+            t = cfg.train  # fail before spawning anything
+            accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, nproc * nnodes)
+            return dist.launch(nproc, argv, cfg.dist)
     info = dist.DistInfo.from_env(cfg.train.device)
     dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
     try:

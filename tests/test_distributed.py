@@ -85,13 +85,21 @@ def runs(byte_data, tmp_path_factory):
     agents = [h.torchrun(launcher, ["-m", *train_args]) for _ in range(2)]
     h.check_ok(h.wait_all(agents, TIMEOUT))
     out["multinode"] = root / "multinode"
+
+    # the same two nodes through gptrain's own launcher (torch.distributed.run underneath)
+    port = h.free_port()
+    nodes = ["--dist.nnodes=2", f"--dist.rdzv_endpoint=127.0.0.1:{port}", "--dist.nproc_per_node=1"]
+    args = gptrain_args(byte_data, root / "multinode_cli", *nodes)
+    procs = [subprocess.Popen([sys.executable, *args], env=h.env(), cwd=h.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    h.check_ok(h.wait_all(procs, TIMEOUT))
+    out["multinode_cli"] = root / "multinode_cli"
     return out
 
 
 def test_ddp_fsdp_multinode_equal_single_process(runs):
     """1 x accumulation 4 == 2 DDP x 2 == 2 FSDP2 x 2 == 2 nodes x 1 x 2, in float32 after 5 steps."""
     single = load_file(str(checkpoint.find(runs["single"]) / "model.safetensors"))
-    for name in ("ddp", "fsdp", "multinode"):
+    for name in ("ddp", "fsdp", "multinode", "multinode_cli"):
         other = load_file(str(checkpoint.find(runs[name]) / "model.safetensors"))
         assert checkpoint.load_meta(checkpoint.find(runs[name]))["step"] == STEPS
         assert single.keys() == other.keys(), name  # the tied lm_head is stored once, also by FSDP
@@ -110,7 +118,7 @@ def test_logged_metrics_are_global(runs):
     is the global one (clipping at 0.05 acted); tokens count the global batch."""
     ref = metrics(runs["single"])
     assert [r["step"] for r in ref] == list(range(1, STEPS + 1))
-    for name in ("ddp", "fsdp", "multinode"):
+    for name in ("ddp", "fsdp", "multinode", "multinode_cli"):
         rows = metrics(runs[name])
         assert [r["step"] for r in rows] == [r["step"] for r in ref], name
         for a, b in zip(ref, rows, strict=True):
@@ -290,3 +298,18 @@ def test_fsdp_bf16_mixed_precision_under_torchrun(runs, byte_data, tmp_path):
     assert {v.dtype for v in weights.values()} == {torch.float32}
     for a, b in zip(metrics(runs["single"]), metrics(run_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), a["step"]
+
+
+def test_bad_input_multinode_endpoint(byte_data, tmp_path):
+    """gptrain's own multi-node launch: a missing or unresolvable rendezvous endpoint is one line."""
+    base = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--dist.nnodes=2"]  # fmt: skip
+    for extra, needle in [
+        ([], "dist.nnodes = 2 needs dist.rdzv_endpoint=HOST:PORT"),
+        (
+            ["--dist.rdzv_endpoint=no-such-node.invalid:29500"],
+            "cannot resolve host 'no-such-node.invalid'",
+        ),
+    ]:
+        done = subprocess.run([sys.executable, *base, *extra], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+        one_line_errors([(done.returncode, done.stdout, done.stderr)], needle)
+    assert not (tmp_path / "r").exists()
