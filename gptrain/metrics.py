@@ -69,7 +69,7 @@ class NullLogger:
     def log(self, step: int, metrics: dict) -> None:
         pass
 
-    def text(self, line: str) -> None:
+    def text(self, line: str, echo: bool = True) -> None:
         pass
 
     def close(self) -> None:
@@ -126,9 +126,10 @@ class RunLogger(NullLogger):
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
-    def text(self, line: str) -> None:
+    def text(self, line: str, echo: bool = True) -> None:
         self.textlog.write(line + "\n")
-        self.echo(line)
+        if echo:
+            self.echo(line)
 
     def close(self) -> None:
         self.jsonl.close()

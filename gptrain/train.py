@@ -241,9 +241,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             logger.text(f"step {step}: sample: {cfg.eval.sample_prompt}{text}")
         return out
 
-    if (
-        ckpt is None and cfg.eval.every > 0
-    ):  # the untrained baseline, so curves start at the beginning
+    if ckpt is None and cfg.eval.every > 0:  # the untrained baseline: curves start at step 0
         logger.log(0, {"tokens": 0, **run_eval_and_sample(0, eval_now=True, sample_now=False)})
 
     # the loop
@@ -295,10 +293,11 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                         tok_s=f"{tok_per_s:,.0f}",
                         mfu=f"{mfu_now:.1%}",
                     )
-                else:
-                    logger.text(
-                        f"step {step}/{t.max_steps} loss {last_loss:.4f} lr {lr:.2e} tok/s {tok_per_s:,.0f} mfu {mfu_now:.1%}"
-                    )
+                logger.text(  # always in train.log; on the console only without a progress bar
+                    f"step {step}/{t.max_steps} loss {last_loss:.4f} lr {lr:.2e} "
+                    f"tok/s {tok_per_s:,.0f} mfu {mfu_now:.1%}",
+                    echo=bar is None,
+                )
                 steps_since_log = 0
             if bar:
                 bar.update(1)

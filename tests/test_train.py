@@ -63,7 +63,9 @@ def test_debug_run_learns_and_writes_outputs(byte_data, tmp_path, capsys):
         assert set(r) >= {"step", "loss", "lr", "grad_norm", "tokens", "tok_per_s", "mfu"}
         assert r["tokens"] == r["step"] * 1024 and 0 < r["mfu"] < 1 and r["grad_norm"] > 0
     assert (run_dir / "loss.png").stat().st_size > 10_000
-    assert (run_dir / "config.toml").is_file() and (run_dir / "train.log").is_file()
+    log = (run_dir / "train.log").read_text()
+    assert "step 40/40 loss" in log and "step 40: val loss" in log and "done: 40 steps" in log
+    assert (run_dir / "config.toml").is_file()
     assert load_config(str(run_dir / "config.toml")).run.dir == str(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["val_loss"] == vals[-1]["val_loss"]
