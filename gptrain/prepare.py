@@ -8,7 +8,8 @@ token shards + manifest.json out.
 Pipeline: documents are read in order (reading and UTF-8 checking in the main thread), cut into
 ~1 MB work units (long documents only at a newline that follows a non-space character, where
 GPT-2-style pre-tokenization always splits, so the tokens are the same as for the whole text), and
-tokenized by a thread pool (tiktoken and HF tokenizers release the GIL). Results come back in
+tokenized by a process pool (forked workers inherit the tokenizer; threads would stop scaling
+because tokenizers hold the GIL for part of each call). Results come back in
 order, so the output is byte-identical for any --workers. Tokens go to a temporary file; then the
 train/val split is chosen by documents (a seeded permutation, greedy up to the val budget; a single
 document gives its last val-fraction of characters to val) and each split's documents, separated
@@ -21,12 +22,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import multiprocessing
 import os
 import shlex
 import shutil
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +38,7 @@ from gptrain.errors import UserError
 from gptrain.shards import dtype_for_vocab, verify_dir, write_manifest, write_shard
 from gptrain.tokenizers import load_tokenizer
 
-CHUNK_CHARS = 1 << 18
+CHUNK_CHARS = 1 << 17
 
 
 def split_points(text: str, chunk: int | None = None) -> list[int]:
@@ -70,22 +72,46 @@ def work_units(docs, chunk: int | None = None):
         yield unit
 
 
-def ordered_map(fn, items, workers: int):
-    """(item, fn(item)) in input order; at most 2*workers items in flight (bounded memory)."""
+# The tokenizer of this worker process: inherited from the parent under fork, loaded from its
+# identity by `_init_worker` under spawn (macOS, Windows). Only prepare's workers read it.
+_worker_tokenizer = None
+
+
+def _init_worker(identity: dict) -> None:
+    global _worker_tokenizer
+    if _worker_tokenizer is None:
+        _worker_tokenizer = load_tokenizer(identity)
+
+
+def _encode_pieces(pieces: list[str]) -> list[np.ndarray]:
+    return [_worker_tokenizer.encode_array(p) for p in pieces]
+
+
+def encode_units(tok, units, workers: int):
+    """(unit, token arrays of its pieces) in input order. One worker encodes in this process;
+    more use a process pool (tokenizers hold the GIL for part of each call, so threads stop
+    scaling), at most 4*workers units in flight (bounded memory)."""
+    global _worker_tokenizer
     if workers <= 1:
-        for item in items:
-            yield item, fn(item)
+        for unit in units:
+            yield unit, [tok.encode_array(piece) for _, piece in unit]
         return
-    with ThreadPoolExecutor(workers) as pool:
-        pending = deque()
-        for item in items:
-            pending.append((item, pool.submit(fn, item)))
-            if len(pending) >= 2 * workers:
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    _worker_tokenizer = tok  # what forked workers inherit
+    try:
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(tok.identity(),)) as pool:  # fmt: skip
+            pending = deque()
+            for unit in units:
+                pending.append((unit, pool.submit(_encode_pieces, [p for _, p in unit])))
+                if len(pending) >= 4 * workers:
+                    first, fut = pending.popleft()
+                    yield first, fut.result()
+            while pending:
                 first, fut = pending.popleft()
                 yield first, fut.result()
-        while pending:
-            first, fut = pending.popleft()
-            yield first, fut.result()
+    finally:
+        _worker_tokenizer = None
 
 
 def tokenize_to_file(
@@ -106,8 +132,7 @@ def tokenize_to_file(
         mininterval=0.5,
     )
     with open(path, "wb") as f, bar:
-        encode = lambda unit: [tok.encode_array(piece) for _, piece in unit]  # noqa: E731
-        for unit, arrays in ordered_map(encode, work_units(docs), workers):
+        for unit, arrays in encode_units(tok, work_units(docs), workers):
             for (doc_idx, piece), arr in zip(unit, arrays, strict=True):
                 while len(lengths) <= doc_idx:
                     lengths.append(0)
