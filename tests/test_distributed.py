@@ -164,6 +164,23 @@ def test_fsdp_checkpoint_resumes_exactly(runs, tmp_path):
             torch.testing.assert_close(sb["optimizer"]["state"][k][name], t, rtol=1e-6, atol=1e-7)
 
 
+def test_checkpoint_resumes_on_another_world_size(runs, tmp_path):
+    """The FSDP2 run's step-3 checkpoint (2 ranks, sharded) resumed by ONE plain process ends
+    where the 1-process run ends: weights, optimizer and data cursor are world-size independent."""
+    cut = tmp_path / "to_one"
+    shutil.copytree(runs["fsdp"], cut)
+    shutil.rmtree(cut / "checkpoints" / f"step_{STEPS:08d}")
+    (cut / "checkpoints" / "latest").write_text("step_00000003\n")
+    overrides = [f"run.dir={cut}", "dist.mode=ddp", "dist.nproc_per_node=1"]
+    summary = train(load_config(str(cut / "config.toml"), overrides), DistInfo())
+    assert summary["steps"] == STEPS and summary["world_size"] == 1
+    single = load_file(str(checkpoint.find(runs["single"]) / "model.safetensors"))
+    resumed = load_file(str(checkpoint.find(cut) / "model.safetensors"))
+    assert single.keys() == resumed.keys()
+    assert_same_weights(single, resumed, "2-rank FSDP checkpoint resumed on 1 process")
+    assert metrics(cut)[-1]["loss"] == pytest.approx(metrics(runs["single"])[-1]["loss"], rel=1e-5)
+
+
 def run_comm_worker(byte_data, tmp_path, mode, accum_micro=2, steps=3):
     out = tmp_path / f"comm-{mode}"
     # micro-batch 2 of 64 tokens x 2 ranks x 4 micro-steps = 1024 tokens
