@@ -1,4 +1,4 @@
-"""Everything distributed: who am I (DistInfo), process group, wrap_model, collectives, launcher.
+"""Everything distributed at run time: who am I (DistInfo), process group, wrap_model, collectives.
 
 torchrun (or `gptrain train --dist.nproc_per_node=N`, which calls torch's own elastic launcher)
 starts one process per device and sets RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE.
@@ -17,7 +17,6 @@ import contextlib
 import datetime
 import hashlib
 import os
-import socket
 import sys
 import time
 import traceback
@@ -115,7 +114,7 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
         with _muted_stderr():  # retries and time-outs are logged in C++; the UserError says it all
             store = dist.TCPStore(addr, port, info.world_size, is_master=hosts, timeout=timeout)
     except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError
-        why = _first_line(e)
+        why = first_line(e)
         if hosts:
             raise UserError(
                 f"rank 0: not all {info.world_size} processes reached the rendezvous at {addr}:{port} within dist.timeout_s = {timeout_s} s ({why}); start every node with the same --nnodes/--rdzv_endpoint, or raise dist.timeout_s"
@@ -154,7 +153,7 @@ class DistFailure(RuntimeError):
     """A collective failed: a peer died, stopped responding past dist.timeout_s, or diverged."""
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
 
@@ -213,7 +212,7 @@ def failure(e: BaseException, info: DistInfo) -> DistFailure | None:
     else:
         who = "every peer still answers (a desynchronised collective?)"
     return DistFailure(
-        f"rank {info.rank} of {info.world_size}: {_operation(e)} failed: {who}; {_first_line(e)}"
+        f"rank {info.rank} of {info.world_size}: {_operation(e)} failed: {who}; {first_line(e)}"
     )
 
 
@@ -346,94 +345,3 @@ def grad_sync(wrapped: nn.Module, sync: bool):
     if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDPModule
         wrapped.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
-
-
-def nproc_for(spec: str) -> int:
-    """dist.nproc_per_node → a number: 'auto' is one per GPU, or 1 on CPU; checked against devices."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if spec == "auto":
-        return max(gpus, 1)
-    n = int(spec)
-    if gpus and n > gpus:
-        raise UserError(
-            f"dist.nproc_per_node = {n} but this machine has {gpus} GPUs; use at most {gpus} or auto"
-        )
-    if not gpus and n > cpu_cores():
-        raise UserError(
-            f"dist.nproc_per_node = {n} but this machine has {cpu_cores()} CPU cores and no GPU; use at most {cpu_cores()} or auto"
-        )
-    return n
-
-
-def _is_this_machine(host: str) -> bool:
-    """Whether the rendezvous host is this machine (then its agent hosts the c10d store)."""
-    if host == "localhost" or host == socket.gethostname():
-        return True
-    try:
-        addrs = {a[4][0] for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
-    except OSError:
-        return False
-    local = {"127.0.0.1", "::1"}
-    with contextlib.suppress(OSError):
-        local |= {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
-    return any(a.startswith("127.") for a in addrs) or bool(addrs & local)
-
-
-def check_endpoint(endpoint: str, timeout_s: float) -> None:
-    """Before launching a multi-node job: the rendezvous host must resolve and, unless it is this
-    machine, accept a TCP connection within timeout_s (it may start a little after us)."""
-    host, _, port = endpoint.rpartition(":")
-    try:
-        socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)
-    except OSError as e:
-        raise UserError(
-            f"dist.rdzv_endpoint = {endpoint!r}: cannot resolve host {host!r} ({e.strerror or e}); use a hostname or IP of the first node"
-        ) from None
-    if _is_this_machine(host):
-        return
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
-                return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise UserError(
-                    f"dist.rdzv_endpoint = {endpoint!r}: nothing answers there after dist.timeout_s = {timeout_s} s ({e.strerror or e}); start the first node, check the address and the firewall"
-                ) from None
-            time.sleep(1.0)
-
-
-def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
-    """Re-run `gptrain train ARGV` as `nproc` workers on this machine through torch's own
-    launcher, torch.distributed.run: standalone, or one of cfg.nnodes machines meeting at a c10d
-    rendezvous (the same command runs on every node).
-
-    Returns 0, 2 for bad input (every failed worker exited with 2 after printing one line, or the
-    rendezvous could not be reached), else 1."""
-    from torch.distributed import run as torch_run
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
-
-    if cfg.nnodes > 1:
-        check_endpoint(cfg.rdzv_endpoint, cfg.timeout_s)
-        args = [f"--nnodes={cfg.nnodes}", "--rdzv_backend=c10d"]
-        args += [f"--rdzv_endpoint={cfg.rdzv_endpoint}", f"--rdzv_id={cfg.rdzv_id}"]
-    else:
-        args = ["--standalone"]
-    args += [f"--nproc_per_node={nproc}", "-m", "gptrain", "train", *argv]
-    try:
-        torch_run.main(args)
-    except ChildFailedError as e:  # the workers printed their own errors already
-        codes = sorted({f.exitcode for f in e.failures.values()})
-        ranks = ", ".join(map(str, sorted(e.failures)))
-        print(
-            f"gptrain: error: worker rank {ranks} failed (exit code {', '.join(map(str, codes))})",
-            file=sys.stderr,
-        )
-        return 2 if codes == [2] else 1
-    except RendezvousError as e:
-        raise UserError(
-            f"rendezvous at {cfg.rdzv_endpoint} failed ({_first_line(e)}); start the same command on all dist.nnodes = {cfg.nnodes} nodes"
-        ) from None
-    return 0

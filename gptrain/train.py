@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 import torch
 
-from gptrain import checkpoint, dist
+from gptrain import checkpoint, dist, launch
 from gptrain.config import Config, accumulation_steps, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
@@ -350,11 +350,11 @@ def main(argv: list[str]) -> int:
     config_file, overrides = parse_cli(argv, __doc__)
     cfg = load_config(config_file, overrides)
     if "RANK" not in os.environ:  # not under torchrun: maybe launch the workers ourselves
-        nproc, nnodes = dist.nproc_for(cfg.dist.nproc_per_node), cfg.dist.nnodes
+        nproc, nnodes = launch.nproc_for(cfg.dist.nproc_per_node), cfg.dist.nnodes
         if nproc > 1 or nnodes > 1:
             t = cfg.train  # fail before spawning anything
             accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, nproc * nnodes)
-            return dist.launch(nproc, argv, cfg.dist)
+            return launch.launch(nproc, argv, cfg.dist)
     info = dist.DistInfo.from_env(cfg.train.device)
     dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
     try:
