@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from gptrain.errors import UserError
+
 
 def synchronize(device: str) -> None:
     if device.startswith("cuda"):
@@ -63,6 +65,23 @@ def format_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
+def require_packages(tensorboard: bool, wandb_project: str) -> None:
+    """The optional logging packages a config asks for are installed (checked on every rank at
+    start-up, so a missing one is a one-line error everywhere, not a hang of the other ranks)."""
+    import importlib.util
+
+    for wanted, module, key in ((tensorboard, "tensorboard", "log.tensorboard = true"), (wandb_project, "wandb", f"log.wandb = {wandb_project!r}")):  # fmt: skip
+        if wanted and not _importable(module, importlib.util):
+            raise UserError(f"{key} needs the {module} package: pip install {module}")
+
+
+def _importable(module: str, util) -> bool:
+    try:
+        return util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+        return False
+
+
 class NullLogger:
     """What non-main ranks get: every call does nothing."""
 
@@ -91,32 +110,21 @@ class RunLogger(NullLogger):
         config: dict | None = None,
         echo=print,
     ):
+        require_packages(tensorboard, wandb_project)
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
-        self.textlog = open(self.dir / "train.log", "a", buffering=1)
         self.echo = echo
         self.tb = self.wandb = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                from gptrain.errors import UserError
+            from torch.utils.tensorboard import SummaryWriter
 
-                raise UserError(
-                    "log.tensorboard = true needs the tensorboard package: pip install tensorboard"
-                ) from None
             self.tb = SummaryWriter(str(self.dir / "tb"))
         if wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                from gptrain.errors import UserError
+            import wandb
 
-                raise UserError(
-                    f"log.wandb = {wandb_project!r} needs the wandb package: pip install wandb"
-                ) from None
             self.wandb = wandb.init(project=wandb_project, dir=str(self.dir), config=config)
+        self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self.textlog = open(self.dir / "train.log", "a", buffering=1)
 
     def log(self, step: int, metrics: dict) -> None:
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")

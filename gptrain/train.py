@@ -33,6 +33,7 @@ from gptrain.metrics import (
     format_duration,
     measure_peak_flops,
     mfu,
+    require_packages,
     synchronize,
 )
 from gptrain.precision import mixed_precision, resolve_dtype
@@ -104,6 +105,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 
     t, run_dir = cfg.train, cfg.run.dir
     dist.check_same_config(to_toml(cfg), info)
+    require_packages(cfg.log.tensorboard, cfg.log.wandb)
     accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
     dist.check_options(cfg.dist, accum, info)
     if cfg.dist.mode == "fsdp" and t.dtype == "float16":
