@@ -170,7 +170,13 @@ def load_state(ckpt_dir: str | Path) -> dict:
         raise UserError(
             f"checkpoint {ckpt_dir} has no training state (state.pt); it can be sampled but not resumed"
         )
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:  # our own file (it holds Python/numpy RNG states, so not weights_only): trust it as code
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated or damaged: pickle, zip and torch raise various types
+        raise UserError(
+            f"cannot read training state {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "resume from an earlier checkpoint with --checkpoint.resume=STEP"
+        ) from None
 
 
 # --- training state: every stateful part, from any wrapping, through torch's public DCP API ---
