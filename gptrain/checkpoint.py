@@ -7,6 +7,7 @@ Layout (a contract, see README):
         model.safetensors   unwrapped model weights (no `module.` / `_orig_mod.` prefixes)
         state.pt            {optimizer, data, train_state (step, RNG of every rank, ...)}
         meta.json           readable: step, model config, tokenizer identity, tokens seen, ...
+        tokenizer.json      only for a trained BPE tokenizer: a copy, so the folder stands alone
       latest                name of the newest complete checkpoint folder
 
 A checkpoint is written into `.tmp-step_XXXXXXXX`, each file fsynced, then renamed into place and
@@ -28,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from gptrain.errors import UserError
 
 STEP_PREFIX = "step_"
+TOKENIZER_FILE = "tokenizer.json"  # a copy of a trained BPE tokenizer, so sampling needs no data
 
 
 def step_dir_name(step: int) -> str:
@@ -86,6 +88,9 @@ def save(
     if state is not None:
         torch.save(state, tmp / "state.pt")
         _fsync_file(tmp / "state.pt")
+    tok_file = meta.get("tokenizer", {}).get("path")  # a trained BPE: keep it with the weights
+    if tok_file and Path(tok_file).is_file():
+        _fsync_write(tmp / TOKENIZER_FILE, Path(tok_file).read_bytes())
     _fsync_write(tmp / "meta.json", (json.dumps({"step": step, **meta}, indent=2) + "\n").encode())
     if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
         shutil.rmtree(final)

@@ -83,7 +83,10 @@ def load_model(run_dir, step: int | None = None, device="cpu") -> tuple[GPT, obj
     if "model" not in meta or "tokenizer" not in meta:
         raise UserError(f"{folder}/meta.json lacks the model config or tokenizer identity")
     config = GPTConfig(**meta["model"])
-    tokenizer = load_tokenizer(meta["tokenizer"])
+    identity = dict(meta["tokenizer"])
+    if (folder / checkpoint.TOKENIZER_FILE).is_file():  # a trained BPE travels with the weights
+        identity["path"] = str(folder / checkpoint.TOKENIZER_FILE)
+    tokenizer = load_tokenizer(identity)
     if tokenizer.vocab_size != config.vocab_size:
         raise UserError(
             f"tokenizer vocab {tokenizer.vocab_size} != model vocab {config.vocab_size} in {folder}"

@@ -270,3 +270,23 @@ def test_damaged_checkpoint_is_one_line_and_nothing_is_overwritten(
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and damaged in err[0], err
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_bpe_run_samples_without_its_data_or_tokenizer_file(shakespeare_txt, tmp_path, capsys):
+    """Own BPE tokenizer -> prepare -> train -> sample, with the data and tok.json then deleted:
+    the checkpoint folder carries the tokenizer (hash-checked)."""
+    from gptrain.prepare import prepare
+
+    tok = tmp_path / "tok.json"
+    assert cli(["tokenizer", "train", "--input", str(shakespeare_txt), "--vocab-size", "400", "--out", str(tok)]) == 0  # fmt: skip
+    data = tmp_path / "data"
+    prepare([str(shakespeare_txt)], data, tokenizer=f"bpe:{tok}", progress=False)
+    run_dir = tmp_path / "run"
+    run(data, run_dir, "train.max_steps=2", "train.warmup_steps=1", "eval.every=0", "eval.sample_every=0", "eval.tokens=512")  # fmt: skip
+    shutil.rmtree(data)
+    tok.unlink()
+    capsys.readouterr()
+    assert (
+        cli(["sample", "--run", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "5"]) == 0
+    )
+    assert capsys.readouterr().out.startswith("ROMEO:")
