@@ -84,7 +84,9 @@ def _init_worker(identity: dict) -> None:
 
 
 def _encode_pieces(pieces: list[str]) -> list[np.ndarray]:
-    return [_worker_tokenizer.encode_array(p) for p in pieces]
+    """In a worker: token arrays already in the shard dtype (half the bytes to send back)."""
+    dtype = dtype_for_vocab(_worker_tokenizer.vocab_size)
+    return [_worker_tokenizer.encode_array(p).astype(dtype, copy=False) for p in pieces]
 
 
 def encode_units(tok, units, workers: int):
