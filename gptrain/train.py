@@ -245,6 +245,14 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 
     if ckpt is None and cfg.eval.every > 0:  # the untrained baseline: curves start at step 0
         logger.log(0, {"tokens": 0, **run_eval_and_sample(0, eval_now=True, sample_now=False)})
+    if step >= t.max_steps:  # nothing to do: leave the run's summary and plot as they are
+        logger.text(
+            f"already trained to step {step} (train.max_steps = {t.max_steps}); raise train.max_steps to continue"
+        )
+        if bar:
+            bar.close()
+        logger.close()
+        return {"steps": step, "tokens": tokens_seen, "world_size": info.world_size}
 
     # the loop
     t_start = t_log = time.perf_counter()

@@ -290,3 +290,18 @@ def test_bpe_run_samples_without_its_data_or_tokenizer_file(shakespeare_txt, tmp
         cli(["sample", "--run", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "5"]) == 0
     )
     assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_rerunning_a_finished_run_changes_nothing(byte_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = ["train.max_steps=2", "train.warmup_steps=1", "eval.every=0", "eval.sample_every=0", "eval.tokens=512"]  # fmt: skip
+    run(byte_data, run_dir, *args)
+    before = {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
+    summary = (run_dir / "summary.json").read_text()
+    capsys.readouterr()
+    assert run(byte_data, run_dir, *args)["steps"] == 2
+    assert "already trained to step 2" in capsys.readouterr().out
+    assert (run_dir / "summary.json").read_text() == summary
+    assert {
+        p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()
+    } == before
