@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -80,6 +81,29 @@ def _importable(module: str, util) -> bool:
         return util.find_spec(module) is not None
     except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
         return False
+
+
+def rewind_metrics(run_dir: str | Path, step: int) -> int:
+    """Drop metrics.jsonl rows logged after `step` (a run that crashed after its last checkpoint
+    redoes those steps when it resumes); the file is replaced atomically. Returns rows dropped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by the crash
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
 
 
 class NullLogger:

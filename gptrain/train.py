@@ -34,6 +34,7 @@ from gptrain.metrics import (
     measure_peak_flops,
     mfu,
     require_packages,
+    rewind_metrics,
     synchronize,
 )
 from gptrain.precision import mixed_precision, resolve_dtype
@@ -155,6 +156,8 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         step, tokens_seen, elapsed_before = ts["step"], ts["tokens"], ts.get("elapsed_s", 0.0)
         if ts.get("world_size") != info.world_size:
             torch.manual_seed(t.seed + 1000 * info.rank + step)
+        if info.is_main:  # steps logged after this checkpoint (before a crash) are redone
+            rewind_metrics(run_dir, step)
     else:
         torch.manual_seed(t.seed + 1000 * info.rank)  # dropout streams differ by rank
 

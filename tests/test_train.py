@@ -305,3 +305,40 @@ def test_rerunning_a_finished_run_changes_nothing(byte_data, tmp_path, capsys):
     assert {
         p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()
     } == before
+
+
+def test_sigkill_at_any_moment_then_resume_equals_uninterrupted_run(byte_data, tmp_path):
+    """A run killed with SIGKILL (no chance to clean up) and started again with the same command
+    ends with the uninterrupted run's weights bit for bit, and its metrics hold every step once."""
+    common = ["train.max_steps=300", "checkpoint.every=50", "eval.every=0", "eval.sample_every=0"]
+    common += ["eval.tokens=512", "eval.sample_tokens=1", "model.dropout=0.1", "log.every=1"]
+    run(byte_data, tmp_path / "full", *common)
+    crashed = tmp_path / "crashed"
+    cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    cmd += [f"--run.dir={crashed}", "--log.progress=false", *(f"--{o}" for o in common)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    metrics_file = crashed / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:  # kill between checkpoints 100 and 150
+        text = metrics_file.read_text() if metrics_file.is_file() else ""
+        if '"step": 120,' in text:
+            break
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    stopped_at = checkpoint.latest(crashed).name
+    logged = [
+        json.loads(x)["step"] for x in metrics_file.read_text().splitlines() if x.endswith("}")
+    ]
+    assert stopped_at == "step_00000100" and max(logged) >= 120  # 20+ steps past the checkpoint
+    assert run(byte_data, crashed, *common)["steps"] == 300
+    a, b = weights(tmp_path / "full"), weights(crashed)
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, stopped_at)
+    rows = [json.loads(line) for line in (crashed / "metrics.jsonl").read_text().splitlines()]
+    ref = [
+        json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, 301))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
