@@ -92,11 +92,16 @@ def save(
     if tok_file and Path(tok_file).is_file():
         _fsync_write(tmp / TOKENIZER_FILE, Path(tok_file).read_bytes())
     _fsync_write(tmp / "meta.json", (json.dumps({"step": step, **meta}, indent=2) + "\n").encode())
-    if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
-        shutil.rmtree(final)
+    old = root / f".old-{name}"
+    if final.exists():  # re-saving a step (a run resumed from an earlier step): two quick renames
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
     os.replace(tmp, final)
     _fsync_write(root / ".latest.tmp", (name + "\n").encode())
     os.replace(root / ".latest.tmp", root / "latest")
+    if old.exists():
+        shutil.rmtree(old)
     return final
 
 
