@@ -48,6 +48,15 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_dir(path: Path) -> None:
+    if os.name == "posix":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def save(
     run_dir: str | Path,
     step: int,
@@ -100,6 +109,7 @@ def save(
     os.replace(tmp, final)
     _fsync_write(root / ".latest.tmp", (name + "\n").encode())
     os.replace(root / ".latest.tmp", root / "latest")
+    _fsync_dir(root)  # the renames themselves survive a power loss
     if old.exists():
         shutil.rmtree(old)
     return final
