@@ -351,8 +351,9 @@ def help_text() -> str:
 
 
 def parse_cli(argv: list[str], usage: str = "") -> tuple[str | None, list[str]]:
-    """`[--config FILE] [--section.key=value ...] [--help]` → (config file, overrides); --help
-    prints `usage` and every key's documentation."""
+    """`[--config FILE] [--section.key=value | --section.key value | --flag ...] [--help]` →
+    (config file, overrides); a bare `--section.key` means true. --help prints `usage` and every
+    key's documentation."""
     config_file, overrides, i = None, [], 0
     while i < len(argv):
         arg = argv[i]
@@ -368,6 +369,10 @@ def parse_cli(argv: list[str], usage: str = "") -> tuple[str | None, list[str]]:
             config_file = arg.split("=", 1)[1]
         elif arg.startswith("--") and "=" in arg:
             overrides.append(arg[2:])
+        elif arg.startswith("--") and "." in arg:  # --section.key VALUE, or a bare flag = true
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            overrides.append(f"{arg[2:]}={argv[i + 1] if has_value else 'true'}")
+            i += 1 if has_value else 0
         else:
             raise UserError(
                 f"unexpected argument {arg!r}; use --config FILE and --section.key=value (see --help)"

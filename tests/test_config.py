@@ -112,3 +112,12 @@ def test_cli_bad_input_is_one_line_exit_2(capsys):
     assert cli(["train", "stray"]) == 2
     assert cli(["frobnicate"]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cli_forms_of_overrides():
+    from gptrain.config import parse_cli
+
+    argv = ["--config", "c.toml", "--train.lr=0.1", "--train.seq_len", "32", "--train.compile", "--log.every", "-1"]  # fmt: skip
+    assert parse_cli(argv) == ("c.toml", ["train.lr=0.1", "train.seq_len=32", "train.compile=true", "log.every=-1"])  # fmt: skip
+    with pytest.raises(UserError, match="unexpected argument 'stray'"):
+        parse_cli(["stray"])
