@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(COMMANDS[cmd]).main(rest) or 0
     except UserError as e:
         print(f"gptrain: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("gptrain: interrupted", file=sys.stderr)
         return 130

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -308,7 +307,3 @@ def resolve_data_dir(spec: str, tokenizer: str = "byte") -> Path:
         f"data {spec!r} is neither a prepared folder (no manifest.json there; make one with "
         f"`gptrain prepare --input ... --out DIR`) nor a built-in corpus ({', '.join(BUILTIN_CORPORA)})"
     )
-
-
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
