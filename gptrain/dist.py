@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import hashlib
 import os
 import sys
@@ -216,9 +217,25 @@ def failure(e: BaseException, info: DistInfo) -> DistFailure | None:
     )
 
 
-def teardown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def teardown(wait_for_peers: bool = True, timeout_s: float = 60.0) -> None:
+    """Destroy the process group; after a clean run, the rank hosting the rendezvous store (rank 0
+    when started without torchrun's agent) leaves last, so no peer loses the store mid-teardown.
+    After a failure (wait_for_peers=False) nobody waits for peers that may be gone."""
+    global _store
+    if not dist.is_initialized():
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gc.collect()  # DDP/FSDP objects in reference cycles still hold the process group: free them
+    dist.destroy_process_group()
+    store, _store = _store, None
+    if store is None or not wait_for_peers or world == 1:
+        return
+    with contextlib.suppress(RuntimeError, OSError), _muted_stderr():
+        if _store_host_is_rank0 and rank == 0:
+            store.set_timeout(datetime.timedelta(seconds=timeout_s))
+            store.wait([f"left/{r}" for r in range(1, world)])
+        else:
+            store.set(f"left/{rank}", "1")
 
 
 def active() -> bool:

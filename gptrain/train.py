@@ -370,8 +370,10 @@ def main(argv: list[str]) -> int:
             return launch.launch(nproc, argv, cfg.dist)
     info = dist.DistInfo.from_env(cfg.train.device)
     dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
+    finished = False
     try:
         train(cfg, info)
+        finished = True
     except KeyboardInterrupt:
         return 130
     except RuntimeError as e:  # a dead or stuck peer: one line naming rank and operation, exit 1
@@ -381,5 +383,5 @@ def main(argv: list[str]) -> int:
         print(f"gptrain: error: {failure}", file=sys.stderr)
         return 1
     finally:
-        dist.teardown()
+        dist.teardown(wait_for_peers=finished)
     return 0
