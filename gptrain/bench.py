@@ -19,9 +19,7 @@ import torch
 from gptrain import dist
 from gptrain.config import accumulation_steps, load_config
 from gptrain.metrics import measure_peak_flops, synchronize
-from gptrain.optim import build_optimizer
-from gptrain.precision import mixed_precision, resolve_dtype
-from gptrain.train import build_model, train_step
+from gptrain.train import build_training, train_step
 
 VOCAB = {"byte": 257, "gpt2": 50257}
 
@@ -31,16 +29,10 @@ def bench_one(
 ) -> dict:
     """Time `steps` optimizer steps (after `warmup`) of cfg's model on random tokens."""
     t = cfg.train
-    torch.manual_seed(t.seed)
     vocab = VOCAB.get(cfg.data.tokenizer, 50257)
-    model = build_model(cfg, vocab).to(info.device)
-    ptdtype = resolve_dtype(dtype, info.device_type)
-    wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=compile, param_dtype=ptdtype)
-    optimizer = build_optimizer(
-        model, lr=t.lr, weight_decay=t.weight_decay, device_type=info.device_type
+    model, wrapped, optimizer, ptdtype, autocast, scaler = build_training(
+        cfg, info, vocab, dtype, compile
     )
-    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
-    autocast, scaler = mixed_precision(ptdtype, info.device_type, fsdp)
     accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
     gen = torch.Generator().manual_seed(t.seed + info.rank)
     batches = [
@@ -82,7 +74,7 @@ def bench_one(
         "peak_tflops": peaks[key] / 1e12,
         "mfu": tok_per_s * model.flops_per_token(t.seq_len) / (peaks[key] * info.world_size),
     }
-    if info.world_size > 1 and not fsdp:  # same steps without gradient communication
+    if info.world_size > 1 and cfg.dist.mode == "ddp":  # the same steps without communication
         row["comm_share"] = max(0.0, 1 - timed(steps, sync=False) / step_s)
     return row
 

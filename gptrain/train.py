@@ -61,6 +61,23 @@ def build_model(cfg: Config, vocab_size: int):
     )
 
 
+def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str, compile: bool):
+    """(model, wrapped, optimizer, compute dtype, autocast, scaler), in this order: the model with
+    the same initialisation on every rank (same seed), parallelism applied from outside, then the
+    optimizer over the (possibly sharded) parameters."""
+    from gptrain.optim import build_optimizer
+
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, vocab_size).to(info.device)
+    ptdtype = resolve_dtype(dtype, info.device_type)
+    wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=compile, param_dtype=ptdtype)
+    t = cfg.train
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, device_type=info.device_type)  # fmt: skip
+    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
+    autocast, scaler = mixed_precision(ptdtype, info.device_type, fsdp)
+    return model, wrapped, optimizer, ptdtype, autocast, scaler
+
+
 def train_step(
     wrapped,
     model,
@@ -101,7 +118,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     """Run one training job; returns the summary dict (also written to run.dir/summary.json)."""
     from gptrain.corpora import resolve_data_dir
     from gptrain.loader import Dataset, TrainLoader
-    from gptrain.optim import build_optimizer, lr_at
+    from gptrain.optim import lr_at
     from gptrain.sample import generate_text
 
     t, run_dir = cfg.train, cfg.run.dir
@@ -131,16 +148,9 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         device=info.device,
     )
 
-    # model: identical initialisation on every rank (same seed), then wrapped from outside
-    torch.manual_seed(t.seed)
-    model = build_model(cfg, dataset.vocab_size).to(info.device)
-    ptdtype = resolve_dtype(t.dtype, info.device_type)
-    wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=t.compile, param_dtype=ptdtype)
-    optimizer = build_optimizer(
-        model, lr=t.lr, weight_decay=t.weight_decay, device_type=info.device_type
+    model, wrapped, optimizer, ptdtype, autocast, scaler = build_training(
+        cfg, info, dataset.vocab_size, t.dtype, t.compile
     )
-    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
-    autocast, scaler = mixed_precision(ptdtype, info.device_type, fsdp)
     byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
 
     # resume: from the latest checkpoint of this run directory when there is one
