@@ -18,6 +18,16 @@ def shakespeare_txt() -> Path:
     return SHAKESPEARE
 
 
+@pytest.fixture
+def gpt2_env(monkeypatch, tmp_path) -> Path:
+    """The GPT-2 tokenizer files of ../shared/data, through GPTRAIN_GPT2_DIR, with a fresh cache."""
+    if not (GPT2_DIR / "vocab.bpe").is_file():
+        pytest.skip(f"GPT-2 files not found at {GPT2_DIR} (../shared/data beside the checkout)")
+    monkeypatch.setenv("GPTRAIN_GPT2_DIR", str(GPT2_DIR))
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
+    return GPT2_DIR
+
+
 @pytest.fixture(scope="session")
 def byte_data(tmp_path_factory, shakespeare_txt) -> Path:
     """tiny shakespeare prepared with the byte tokenizer (90/10 split), shared by the trainer tests."""

@@ -15,25 +15,6 @@ from gptrain.loader import Dataset
 from gptrain.prepare import prepare
 from gptrain.shards import open_shard, verify_dir
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
-GPT2_DIR = SHARED / "gpt2"
-
-
-@pytest.fixture
-def tiny():
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"verified test data not found at {SHAKESPEARE}")
-    return SHAKESPEARE
-
-
-@pytest.fixture
-def gpt2(monkeypatch, tmp_path):
-    if not (GPT2_DIR / "vocab.bpe").is_file():
-        pytest.skip(f"GPT-2 files not found at {GPT2_DIR}")
-    monkeypatch.setenv("GPTRAIN_GPT2_DIR", str(GPT2_DIR))
-    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
-
 
 def tokens(folder, split):
     m = json.loads((Path(folder) / "manifest.json").read_text())
@@ -55,8 +36,8 @@ def run_cli(capsys, *args):
     return code, capsys.readouterr().err
 
 
-def test_tiny_shakespeare_gpt2_split(tiny, gpt2, tmp_path):
-    m = prepare([str(tiny)], tmp_path / "d", tokenizer="gpt2", progress=False)
+def test_tiny_shakespeare_gpt2_split(shakespeare_txt, gpt2_env, tmp_path):
+    m = prepare([str(shakespeare_txt)], tmp_path / "d", tokenizer="gpt2", progress=False)
     assert m["splits"]["train"]["tokens"] == 301_966 and m["splits"]["val"]["tokens"] == 36_059
     assert m["tokenizer"]["name"] == "gpt2" and m["vocab_size"] == 50257 and m["dtype"] == "uint16"
     verify_dir(tmp_path / "d")
@@ -64,11 +45,13 @@ def test_tiny_shakespeare_gpt2_split(tiny, gpt2, tmp_path):
 
 
 @pytest.mark.parametrize("tok", ["byte", "gpt2"])
-def test_output_identical_for_1_and_2_workers(tiny, gpt2, tmp_path, monkeypatch, tok):
+def test_output_identical_for_1_and_2_workers(
+    shakespeare_txt, gpt2_env, tmp_path, monkeypatch, tok
+):
     monkeypatch.setattr(prep, "CHUNK_CHARS", 20_000)  # many work units, long documents cut
     docs = tmp_path / "docs"
     docs.mkdir()
-    text = tiny.read_text()
+    text = shakespeare_txt.read_text()
     for i in range(7):
         (docs / f"{i}.txt").write_text(text[i * 150_000 : (i + 1) * 150_000])
     outs = []
@@ -81,7 +64,7 @@ def test_output_identical_for_1_and_2_workers(tiny, gpt2, tmp_path, monkeypatch,
     assert outs[0] == outs[1] and len(outs[0][0]) > 4
     # cutting long documents at safe newlines gives the same tokens as encoding them whole
     single = tmp_path / "single"
-    prepare([str(tiny)], single, tokenizer=tok, workers=2, progress=False)
+    prepare([str(shakespeare_txt)], single, tokenizer=tok, workers=2, progress=False)
     from gptrain.tokenizers import load_tokenizer
 
     whole = load_tokenizer(tok).encode_array(text[: int(len(text) * 0.9)])

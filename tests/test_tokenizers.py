@@ -2,7 +2,6 @@
 
 import os
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,19 +10,6 @@ from gptrain import corpora, tokenizers
 from gptrain.__main__ import main as cli
 from gptrain.errors import UserError
 from gptrain.tokenizers import GPT2_TIKTOKEN_SHA256, ByteTokenizer, load_tokenizer
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-GPT2_DIR = SHARED / "gpt2"
-SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
-
-
-@pytest.fixture
-def gpt2_env(monkeypatch, tmp_path):
-    if not (GPT2_DIR / "vocab.bpe").is_file():
-        pytest.skip(f"GPT-2 files not found at {GPT2_DIR} (../shared/data beside the checkout)")
-    monkeypatch.setenv("GPTRAIN_GPT2_DIR", str(GPT2_DIR))
-    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
-    return GPT2_DIR
 
 
 def test_byte_round_trips_arbitrary_bytes():
@@ -55,11 +41,9 @@ def test_gpt2_from_shared_files(gpt2_env):
     assert load_tokenizer(tok.identity()) is tok
 
 
-def test_gpt2_token_count_of_tiny_shakespeare(gpt2_env):
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} not found")
+def test_gpt2_token_count_of_tiny_shakespeare(gpt2_env, shakespeare_txt):
     tok = load_tokenizer("gpt2")
-    assert len(tok.encode_array(SHAKESPEARE.read_text(encoding="utf-8"))) == 338_025
+    assert len(tok.encode_array(shakespeare_txt.read_text(encoding="utf-8"))) == 338_025
 
 
 def test_gpt2_from_tiktoken_file_and_cache(gpt2_env, tmp_path, monkeypatch):
