@@ -124,8 +124,8 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
             f"rank {info.rank}: cannot reach the rendezvous at {addr}:{port} within dist.timeout_s = {timeout_s} s ({why}); check --rdzv_endpoint / MASTER_ADDR:MASTER_PORT, the network, and that the first node is running"
         ) from None
     kwargs = {"device_id": torch.device(info.device)} if backend == "nccl" else {}
-    dist.init_process_group(
-        backend=backend,
+    dist.init_process_group(  # with nccl, small CPU-side agreements (flags, hashes) go over gloo
+        backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
         store=store,
         rank=info.rank,
         world_size=info.world_size,
@@ -264,19 +264,37 @@ def barrier() -> None:
 def local_main_first(info: DistInfo, fn):
     """Run fn on each node's local rank 0 first (e.g. a download into the machine's cache), then
     on the other ranks; an error on any rank is raised on every rank instead of a hang."""
-    result, error = None, ""
+    result = None
     for turn in (True, False):
+        error = ""
         if (info.local_rank == 0) == turn:
             try:
                 result = fn()
             except UserError as e:
                 error = str(e)
-        failed = torch.tensor([1.0 if error else 0.0])
-        if active():
-            dist.all_reduce(failed)
-        if failed.item():
-            raise UserError(error or "another rank failed while preparing data (see its message)")
+        raise_on_every_rank(error)
     return result
+
+
+def on_main(info: DistInfo, fn, default=None):
+    """fn() on the main process only (default elsewhere); its UserError reaches every rank."""
+    result, error = default, ""
+    if info.is_main:
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+    raise_on_every_rank(error)
+    return result
+
+
+def raise_on_every_rank(error: str) -> None:
+    """Collective: when any rank has an error message, every rank raises a UserError."""
+    failed = torch.tensor([1.0 if error else 0.0])
+    if active():
+        dist.all_reduce(failed)
+    if failed.item():
+        raise UserError(error or "another rank failed (see its message above)")
 
 
 def check_same_config(config_text: str, info: DistInfo) -> None:

@@ -27,16 +27,8 @@ from gptrain import checkpoint, dist, launch
 from gptrain.config import Config, accumulation_steps, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
-from gptrain.metrics import (
-    NullLogger,
-    RunLogger,
-    format_duration,
-    measure_peak_flops,
-    mfu,
-    require_packages,
-    rewind_metrics,
-    synchronize,
-)
+from gptrain.logs import NullLogger, RunLogger, require_packages, rewind_metrics
+from gptrain.metrics import format_duration, measure_peak_flops, mfu, synchronize
 from gptrain.precision import mixed_precision, resolve_dtype
 
 
@@ -175,8 +167,18 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     peak = measure_peak_flops(info.device, ptdtype) if info.is_main else 1.0
     flops_per_token = model.flops_per_token(t.seq_len)
     bar = None
+    logger = dist.on_main(  # a logger that cannot start (e.g. W&B not logged in) stops every rank
+        info,
+        lambda: RunLogger(
+            run_dir,
+            tensorboard=cfg.log.tensorboard,
+            wandb_project=cfg.log.wandb,
+            config={s: asdict(getattr(cfg, s)) for s in ("model", "train", "data")},
+            resume_step=step if ckpt else None,
+        ),
+        default=NullLogger(),
+    )
     if info.is_main:
-        os.makedirs(run_dir, exist_ok=True)
         (open(os.path.join(run_dir, "config.toml"), "w")).write(to_toml(cfg))
         if cfg.log.progress:
             from tqdm import tqdm
@@ -189,17 +191,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                 dynamic_ncols=True,
                 file=sys.stderr,
             )
-        logger = RunLogger(
-            run_dir,
-            tensorboard=cfg.log.tensorboard,
-            wandb_project=cfg.log.wandb,
-            config=json.loads(
-                json.dumps({s: asdict(getattr(cfg, s)) for s in ("model", "train", "data")})
-            ),
-            echo=bar.write if bar else print,
-        )
-    else:
-        logger = NullLogger()
+            logger.echo = bar.write
     logger.text(
         f"{'resumed from ' + str(ckpt) if ckpt else 'starting'}: {model.num_params():,} parameters, world size {info.world_size}, "
         f"accumulation {accum}, {t.total_batch_size:,} tokens/step, dtype {str(ptdtype).removeprefix('torch.')}, "

@@ -1,0 +1,156 @@
+"""Where a run's metrics and text go: one tiny interface, main process only.
+
+`log(step, metrics: dict)`, `text(line)`, `close()`. The main process gets a RunLogger
+(metrics.jsonl, train.log, the console, and optionally TensorBoard and Weights & Biases); the other
+ranks get a NullLogger that does nothing.
+
+Resume keeps every sink to one value per step: metrics.jsonl rows past the checkpoint are dropped
+(`rewind_metrics`), TensorBoard hides events from the resumed step on (`purge_step`), and W&B
+continues the same run (its id is kept in run.dir/wandb_run_id); steps W&B already has are not
+re-logged there, and with exact resume they are the same numbers anyway.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from gptrain.errors import UserError
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def require_packages(tensorboard: bool, wandb_project: str) -> None:
+    """The optional logging packages a config asks for are installed (checked on every rank at
+    start-up, so a missing one is a one-line error everywhere, not a hang of the other ranks)."""
+    for wanted, module, key in ((tensorboard, "tensorboard", "log.tensorboard = true"), (wandb_project, "wandb", f"log.wandb = {wandb_project!r}")):  # fmt: skip
+        if wanted and not _importable(module):
+            raise UserError(f"{key} needs the {module} package: pip install {module}")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+        return False
+
+
+def rewind_metrics(run_dir: str | Path, step: int) -> int:
+    """Drop metrics.jsonl rows logged after `step` (a run that crashed after its last checkpoint
+    redoes those steps when it resumes); the file is replaced atomically. Returns rows dropped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by the crash
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+class NullLogger:
+    """What non-main ranks get: every call does nothing."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def text(self, line: str, echo: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RunLogger(NullLogger):
+    """Main process: metrics.jsonl + train.log in the run directory, optional TensorBoard / W&B.
+
+    `echo` is called with every text line (the progress bar's `write`, or print). `resume_step`
+    is the checkpoint's step when the run resumes (None for a fresh run).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = False,
+        wandb_project: str = "",
+        config: dict | None = None,
+        resume_step: int | None = None,
+        echo=print,
+    ):
+        require_packages(tensorboard, wandb_project)
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.echo = echo
+        self.tb = self.wandb = None
+        self.wandb_step = -1  # the last step W&B holds (its steps must increase)
+        if wandb_project:
+            self.wandb = self._start_wandb(wandb_project, config, resume_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # events at or after the resumed step, written before a crash, are hidden
+            purge = None if resume_step is None else resume_step + 1
+            self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=purge)
+        self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self.textlog = open(self.dir / "train.log", "a", buffering=1)
+
+    def _start_wandb(self, project: str, config: dict | None, resume_step: int | None):
+        import wandb
+
+        id_file = self.dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else None
+        try:
+            run = wandb.init(
+                project=project,
+                dir=str(self.dir),
+                config=config,
+                id=run_id,
+                resume="allow" if run_id else None,
+            )
+        except Exception as e:  # not logged in, unreachable server, bad project name, ...
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(
+                f"log.wandb = {project!r}: W&B did not start ({first}); run `wandb login`, or set WANDB_MODE=offline to log locally"
+            ) from None
+        if run_id is None:
+            tmp = id_file.with_name(f".{WANDB_ID_FILE}.tmp")
+            tmp.write_text(run.id + "\n")
+            os.replace(tmp, id_file)
+        if resume_step is not None and run_id is not None:
+            self.wandb_step = max(int(getattr(run, "step", 0) or 0) - 1, resume_step)
+        return run
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        for key, value in metrics.items():
+            if self.tb is not None and isinstance(value, (int, float)):
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None and step > self.wandb_step:
+            self.wandb.log(metrics, step=step)
+            self.wandb_step = step
+
+    def text(self, line: str, echo: bool = True) -> None:
+        self.textlog.write(line + "\n")
+        if echo:
+            self.echo(line)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.textlog.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,172 @@
+"""Loggers: metrics.jsonl, train.log, TensorBoard and W&B receive the same numbers, on a fresh run
+and after a resume that redoes logged steps; a logger that cannot start is a one-line error."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gptrain.errors import UserError
+from gptrain.logs import WANDB_ID_FILE, NullLogger, RunLogger, rewind_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = str(REPO / "configs" / "debug.toml")
+
+
+def jsonl(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def tensorboard_scalars(log_dir) -> dict[str, dict[int, float]]:
+    """What TensorBoard shows: {tag: {step: value}} (it hides purged and superseded events)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def wandb_history(run_dir) -> list[list[dict]]:
+    """The history rows of each W&B offline run under run_dir/wandb, oldest first.
+
+    The .wandb file is a LevelDB-style log (a 7-byte ':W&B' header, then records in 32 KiB blocks,
+    each chunk with a 7-byte header: crc32c, length, type) of wandb's protobuf Records.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    runs = []
+    for path in sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, chunk, rows = path.read_bytes(), 7, b"", []
+        assert data[:4] == b":W&B"
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if left < 7 or (kind == 0 and length == 0):  # block trailer / padding
+                pos += left
+                continue
+            chunk += data[pos + 7 : pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # a full record, or the last piece of one
+                record = pb.Record()
+                record.ParseFromString(chunk)
+                chunk = b""
+                if record.WhichOneof("record_type") == "history":
+                    items = {
+                        i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                        for i in record.history.item
+                    }
+                    rows.append({k: v for k, v in items.items() if not k.startswith("_")} | {"step": items["_step"]})  # fmt: skip
+        runs.append((path.parent.name, rows))
+    return [rows for _name, rows in runs]
+
+
+@pytest.fixture
+def offline_wandb(monkeypatch):
+    pytest.importorskip("wandb", reason="wandb not installed (pip install -e '.[dev]')")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+
+
+def test_run_logger_writes_jsonl_and_text(tmp_path):
+    echoed = []
+    logger = RunLogger(tmp_path)
+    logger.echo = echoed.append
+    logger.log(10, {"loss": 2.5, "lr": 1e-3})
+    logger.text("hello")
+    logger.text("quiet", echo=False)
+    logger.close()
+    assert jsonl(tmp_path) == [{"step": 10, "loss": 2.5, "lr": 1e-3}]
+    assert (tmp_path / "train.log").read_text() == "hello\nquiet\n"
+    assert echoed == ["hello"]
+    NullLogger().log(1, {"loss": 1.0})  # the non-main ranks' logger accepts the same calls
+
+
+def test_rewind_drops_rows_after_the_checkpoint_and_a_torn_last_line(tmp_path):
+    rows = [{"step": s, "loss": 1.0 / s} for s in (2, 4, 6)]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 8, "lo'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    assert rewind_metrics(tmp_path, 4) == 2
+    assert jsonl(tmp_path) == rows[:2]
+    assert rewind_metrics(tmp_path, 4) == 0
+
+
+def test_tensorboard_and_wandb_get_what_metrics_jsonl_gets(tmp_path, offline_wandb):
+    pytest.importorskip("tensorboard", reason="tensorboard not installed")
+    logger = RunLogger(tmp_path, tensorboard=True, wandb_project="gptrain-test", config={"a": 1})
+    for step in (0, 5, 10):
+        logger.log(step, {"loss": 3.0 - step / 10, "lr": 1e-3 * step, "tokens": 64 * step})
+    logger.log(10, {"val_loss": 2.5})  # a second row for one step (eval) is kept in TB
+    logger.close()
+    rows = jsonl(tmp_path)
+    tb = tensorboard_scalars(tmp_path / "tb")
+    for key in ("loss", "lr", "tokens"):
+        assert tb[key] == pytest.approx({r["step"]: r[key] for r in rows if key in r})
+    assert tb["val_loss"] == {10: 2.5}
+    (history,) = wandb_history(tmp_path)
+    assert history == rows[:3]  # W&B steps only increase: step 10's second row is not re-sent
+    assert (tmp_path / WANDB_ID_FILE).read_text().strip()
+
+
+def test_resumed_run_shows_each_step_once_in_every_logger(byte_data, tmp_path, offline_wandb):
+    """A run resumed from step 4 after logging steps 6 and 8 redoes them with another learning
+    rate: TensorBoard and metrics.jsonl show the redone values, and W&B continues the same run."""
+    pytest.importorskip("tensorboard", reason="tensorboard not installed")
+    from gptrain.config import load_config
+    from gptrain.dist import DistInfo
+    from gptrain.train import train
+
+    run_dir = tmp_path / "run"
+    common = [f"data.dir={byte_data}", f"run.dir={run_dir}", "log.progress=false"]
+    common += ["train.max_steps=8", "checkpoint.every=4", "log.every=2", "eval.every=4"]
+    common += ["eval.sample_every=0", "log.tensorboard=true", "log.wandb=gptrain-test"]
+    train(load_config(DEBUG, common), DistInfo())
+    first = jsonl(run_dir)
+    run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
+    train(load_config(DEBUG, [*common, "checkpoint.resume=4", "train.lr=1e-2"]), DistInfo())
+    final = jsonl(run_dir)
+
+    assert [r["step"] for r in final] == [r["step"] for r in first] == [0, 2, 4, 6, 8]
+    assert final[:3] == first[:3]  # up to the checkpoint: kept as logged
+    assert final[3]["loss"] != first[3]["loss"]  # redone with another lr
+    tb = tensorboard_scalars(run_dir / "tb")
+    for key in ("loss", "lr", "val_loss"):
+        assert tb[key] == pytest.approx({r["step"]: r[key] for r in final if key in r})
+    assert (run_dir / WANDB_ID_FILE).read_text().strip() == run_id
+    assert all(p.name.endswith(run_id) for p in run_dir.glob("wandb/offline-run-*"))
+    before, after = wandb_history(run_dir)
+    assert before == first
+    assert after == final[3:]  # the resumed process sent the redone steps under the same run id
+
+
+def test_wandb_that_cannot_start_is_one_line_exit_2(byte_data, tmp_path):
+    """Not logged in (a fresh process: wandb keeps its settings per process)."""
+    pytest.importorskip("wandb", reason="wandb not installed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env |= {"HOME": str(tmp_path / "home"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
+    run_dir = tmp_path / "run"
+    args = ["--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--log.wandb=proj"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "gptrain", "train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert "log.wandb = 'proj': W&B did not start" in lines[0] and "wandb login" in lines[0]
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_missing_logging_packages_are_one_line_errors(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
+    with pytest.raises(UserError, match="pip install wandb"):
+        RunLogger(tmp_path, wandb_project="proj")
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before writing anything
