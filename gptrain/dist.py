@@ -268,24 +268,24 @@ def local_main_first(info: DistInfo, fn):
     for turn in (True, False):
         error = ""
         if (info.local_rank == 0) == turn:
-            try:
-                result = fn()
-            except UserError as e:
-                error = str(e)
+            result, error = _attempt(fn)
         raise_on_every_rank(error)
     return result
 
 
 def on_main(info: DistInfo, fn, default=None):
     """fn() on the main process only (default elsewhere); its UserError reaches every rank."""
-    result, error = default, ""
-    if info.is_main:
-        try:
-            result = fn()
-        except UserError as e:
-            error = str(e)
+    result, error = _attempt(fn) if info.is_main else (default, "")
     raise_on_every_rank(error)
     return result
+
+
+def _attempt(fn) -> tuple:
+    """(fn(), "") or (None, the UserError's message)."""
+    try:
+        return fn(), ""
+    except UserError as e:
+        return None, str(e)
 
 
 def raise_on_every_rank(error: str) -> None:
