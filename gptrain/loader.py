@@ -186,6 +186,11 @@ class TrainLoader:
             return x, y
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def close(self) -> None:
+        """Stop the prefetch thread (so that nothing reads shards while the process tears down)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ahead = None
+
     # --- resume --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {

@@ -321,6 +321,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             if steps_since_log == 0:  # throughput intervals exclude eval, sampling and checkpoints
                 t_log = time.perf_counter()
     except KeyboardInterrupt:
+        loader.close()
         logger.text(
             f"interrupted at step {step}; the last checkpoint is {checkpoint.latest(run_dir)}; run the same command to resume"
         )
@@ -328,6 +329,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             bar.close()
         logger.close()
         raise
+    loader.close()
     if bar:
         bar.close()
 

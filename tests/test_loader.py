@@ -173,3 +173,15 @@ def test_dataset_errors(tmp_path):
     (tmp_path / "train_000001.bin").write_bytes(raw[:-2])
     with pytest.raises(UserError, match="truncated shard"):
         Dataset(tmp_path)
+
+
+def test_close_stops_the_prefetch_thread(tmp_path):
+    import threading
+
+    loader = TrainLoader(make_data(tmp_path), 32, 4, 0, 1, seed=7)
+    before = set(threading.enumerate())
+    loader.next_batch()  # starts prefetching the next batch
+    started = [t for t in threading.enumerate() if t not in before]
+    assert [t.name.split("_")[0] for t in started] == ["gptrain-loader"]
+    loader.close()
+    assert not started[0].is_alive()
