@@ -5,9 +5,10 @@
 ranks get a NullLogger that does nothing.
 
 Resume keeps every sink to one value per step: metrics.jsonl rows past the checkpoint are dropped
-(`rewind_metrics`), TensorBoard hides events from the resumed step on (`purge_step`), and W&B
-continues the same run (its id is kept in run.dir/wandb_run_id); steps W&B already has are not
-re-logged there, and with exact resume they are the same numbers anyway.
+(`rewind_metrics`; all rows when a run that crashed before its first checkpoint starts over),
+TensorBoard hides the same events (`purge_step`), and W&B continues the same run (its id is kept
+in run.dir/wandb_run_id), where a step it already holds keeps its first value (exact resume
+recomputes the same numbers).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ class RunLogger(NullLogger):
         require_packages(tensorboard, wandb_project)
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        # rows of steps this run will log again: past the checkpoint, or all of them when a run
+        # that crashed before its first checkpoint starts over
+        rewind_metrics(self.dir, -1 if resume_step is None else resume_step)
         self.echo = echo
         self.tb = self.wandb = None
         self.wandb_step = -1  # the last step W&B holds (its steps must increase)
@@ -101,8 +105,8 @@ class RunLogger(NullLogger):
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # events at or after the resumed step, written before a crash, are hidden
-            purge = None if resume_step is None else resume_step + 1
+            # events of the steps logged again (see above), written before a crash, are hidden
+            purge = 0 if resume_step is None else resume_step + 1
             self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=purge)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.textlog = open(self.dir / "train.log", "a", buffering=1)
@@ -110,8 +114,10 @@ class RunLogger(NullLogger):
     def _start_wandb(self, project: str, config: dict | None, resume_step: int | None):
         import wandb
 
+        # a resumed run continues its W&B run; a fresh one (even in an old run.dir) starts anew
         id_file = self.dir / WANDB_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else None
+        resuming = resume_step is not None and id_file.is_file()
+        run_id = id_file.read_text().strip() if resuming else None
         try:
             run = wandb.init(
                 project=project,
@@ -129,7 +135,7 @@ class RunLogger(NullLogger):
             tmp = id_file.with_name(f".{WANDB_ID_FILE}.tmp")
             tmp.write_text(run.id + "\n")
             os.replace(tmp, id_file)
-        if resume_step is not None and run_id is not None:
+        else:
             self.wandb_step = max(int(getattr(run, "step", 0) or 0) - 1, resume_step)
         return run
 

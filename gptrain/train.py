@@ -27,7 +27,7 @@ from gptrain import checkpoint, dist, launch
 from gptrain.config import Config, accumulation_steps, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
-from gptrain.logs import NullLogger, RunLogger, require_packages, rewind_metrics
+from gptrain.logs import NullLogger, RunLogger, require_packages
 from gptrain.metrics import format_duration, measure_peak_flops, mfu, synchronize
 from gptrain.precision import mixed_precision, resolve_dtype
 
@@ -158,8 +158,6 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         step, tokens_seen, elapsed_before = ts["step"], ts["tokens"], ts.get("elapsed_s", 0.0)
         if ts.get("world_size") != info.world_size:
             torch.manual_seed(t.seed + 1000 * info.rank + step)
-        if info.is_main:  # steps logged after this checkpoint (before a crash) are redone
-            rewind_metrics(run_dir, step)
     else:
         torch.manual_seed(t.seed + 1000 * info.rank)  # dropout streams differ by rank
 

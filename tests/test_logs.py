@@ -95,6 +95,17 @@ def test_rewind_drops_rows_after_the_checkpoint_and_a_torn_last_line(tmp_path):
     assert rewind_metrics(tmp_path, 4) == 0
 
 
+def test_run_that_crashed_before_its_first_checkpoint_starts_its_logs_over(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard not installed")
+    for attempt in (1, 2):  # attempt 1 dies after logging two steps (no checkpoint to resume)
+        logger = RunLogger(tmp_path, tensorboard=True, resume_step=None)
+        for step in (0, 2):
+            logger.log(step, {"loss": 10.0 * attempt + step})
+        logger.close()
+    assert jsonl(tmp_path) == [{"step": 0, "loss": 20.0}, {"step": 2, "loss": 22.0}]
+    assert tensorboard_scalars(tmp_path / "tb") == {"loss": {0: 20.0, 2: 22.0}}
+
+
 def test_tensorboard_and_wandb_get_what_metrics_jsonl_gets(tmp_path, offline_wandb):
     pytest.importorskip("tensorboard", reason="tensorboard not installed")
     logger = RunLogger(tmp_path, tensorboard=True, wandb_project="gptrain-test", config={"a": 1})
