@@ -2,7 +2,8 @@
 
 `train.dtype = auto` picks bf16 where the device has fast bf16 (CUDA with bf16, CPUs with
 AVX512-BF16 or AMX), float16 + GradScaler on GPUs without bf16, else float32. Under FSDP2 the
-MixedPrecisionPolicy casts parameters instead of autocast (see dist.wrap_model).
+MixedPrecisionPolicy casts parameters instead of autocast (see dist.wrap_model). On CUDA, float32
+matmuls use TensorFloat-32 unless `train.tf32 = false`.
 """
 
 from __future__ import annotations
@@ -47,3 +48,10 @@ def mixed_precision(
     use_autocast = dtype != torch.float32 and not fsdp
     autocast = torch.autocast(device_type, dtype=dtype) if use_autocast else nullcontext()
     return autocast, torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+
+
+def set_matmul_precision(device_type: str, tf32: bool) -> None:
+    """On CUDA, let float32 matmuls (all of a float32 run; the few outside autocast otherwise) use
+    TF32 tensor cores, or not. A process-wide setting; CPU runs are left at full float32."""
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")

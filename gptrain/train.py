@@ -29,7 +29,7 @@ from gptrain.errors import UserError
 from gptrain.evals import evaluate
 from gptrain.logs import NullLogger, RunLogger, require_packages
 from gptrain.metrics import format_duration, measure_peak_flops, mfu, synchronize
-from gptrain.precision import mixed_precision, resolve_dtype
+from gptrain.precision import mixed_precision, resolve_dtype, set_matmul_precision
 
 
 def build_model(cfg: Config, vocab_size: int):
@@ -62,6 +62,7 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, vocab_size).to(info.device)
     ptdtype = resolve_dtype(dtype, info.device_type)
+    set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
     wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=compile, param_dtype=ptdtype)
     t = cfg.train
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, device_type=info.device_type)  # fmt: skip

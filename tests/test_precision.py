@@ -1,0 +1,56 @@
+"""Precision: the dtype `auto` picks per device, autocast / GradScaler per dtype, TF32 on CUDA only."""
+
+import pytest
+import torch
+
+from gptrain import precision
+from gptrain.errors import UserError
+from gptrain.precision import mixed_precision, resolve_dtype, set_matmul_precision
+
+
+@pytest.mark.parametrize("has_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_on_cpu_follows_native_bf16(monkeypatch, has_bf16, expected):
+    monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: has_bf16)
+    assert resolve_dtype("auto", "cpu") == expected
+
+
+@pytest.mark.parametrize("bf16_gpu, expected", [(True, torch.bfloat16), (False, torch.float16)])
+def test_auto_on_cuda_is_bf16_or_float16(monkeypatch, bf16_gpu, expected):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_gpu)
+    assert resolve_dtype("auto", "cuda") == expected
+
+
+def test_explicit_dtypes_and_float16_needs_cuda():
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(UserError, match="train.dtype = 'float16' needs a CUDA device"):
+        resolve_dtype("float16", "cpu")
+
+
+def test_autocast_and_scaler_per_dtype():
+    x = torch.randn(4, 8)
+    w = torch.randn(8, 8)
+    autocast, scaler = mixed_precision(torch.bfloat16, "cpu", fsdp=False)
+    with autocast:
+        assert (x @ w).dtype == torch.bfloat16
+    assert not scaler.is_enabled()
+    autocast, scaler = mixed_precision(torch.float32, "cpu", fsdp=False)
+    with autocast:
+        assert (x @ w).dtype == torch.float32
+    autocast, _ = mixed_precision(torch.bfloat16, "cpu", fsdp=True)  # FSDP2 casts parameters itself
+    with autocast:
+        assert (x @ w).dtype == torch.float32
+
+
+def test_tf32_is_set_on_cuda_and_never_on_cpu():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        set_matmul_precision("cpu", tf32=True)
+        assert torch.get_float32_matmul_precision() == "highest"
+        set_matmul_precision("cuda", tf32=True)  # a process-wide flag: settable without a GPU
+        assert torch.get_float32_matmul_precision() == "high"
+        set_matmul_precision("cuda", tf32=False)
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
