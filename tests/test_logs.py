@@ -65,9 +65,12 @@ def wandb_history(run_dir) -> list[list[dict]]:
 
 
 @pytest.fixture
-def offline_wandb(monkeypatch):
+def offline_wandb(monkeypatch, tmp_path):
+    """W&B logging locally, never touching the user's login, settings or cache."""
     pytest.importorskip("wandb", reason="wandb not installed (pip install -e '.[dev]')")
     monkeypatch.setenv("WANDB_MODE", "offline")
+    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):  # fmt: skip
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / sub))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
 
