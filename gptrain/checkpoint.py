@@ -115,14 +115,22 @@ def save(
     return final
 
 
+def _complete(path: Path) -> bool:
+    return (path / "meta.json").is_file() and (path / "model.safetensors").is_file()
+
+
 def latest(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint folder of a run, or None when there is none."""
     root = Path(run_dir) / "checkpoints"
     pointer = root / "latest"
     if not pointer.is_file():
         return None
-    path = root / pointer.read_text().strip()
-    if not (path / "meta.json").is_file() or not (path / "model.safetensors").is_file():
+    name = pointer.read_text().strip()
+    path = root / name
+    if not path.exists() and _complete(root / f".old-{name}"):
+        # killed between the two renames of a re-save (see save): the previous copy is complete
+        return root / f".old-{name}"
+    if not _complete(path):
         raise UserError(
             f"{pointer} names {path.name}, which is incomplete or missing; delete {pointer} or restore the folder"
         )

@@ -3,6 +3,7 @@ are equivalent, and a resumed run equals an uninterrupted one bit for bit."""
 
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -342,3 +343,68 @@ def test_sigkill_at_any_moment_then_resume_equals_uninterrupted_run(byte_data, t
     ]
     assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, 301))
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
+
+
+def test_sigkill_while_a_checkpoint_is_being_written_then_resume_equals_uninterrupted_run(
+    byte_data, tmp_path
+):
+    """The process is frozen (SIGSTOP) the moment a checkpoint's temporary folder appears; when it
+    is caught mid-save it is SIGKILLed there. The half-written folder stays invisible, `latest`
+    names the previous checkpoint, and the restarted run ends equal to the uninterrupted one."""
+    common = ["train.max_steps=30", "checkpoint.every=3", "eval.every=0", "eval.sample_every=0"]
+    common += ["eval.tokens=512", "model.dropout=0.1", "log.every=1"]
+    run(byte_data, tmp_path / "full", *common)
+    crashed = tmp_path / "crashed"
+    ckpts = crashed / "checkpoints"
+    cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    cmd += [f"--run.dir={crashed}", "--log.progress=false", *(f"--{o}" for o in common)]
+    caught = []  # steps whose save was killed half-way
+    for _attempt in range(3):
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        seen_tmp = set(ckpts.glob(".tmp-*")) if ckpts.is_dir() else set()
+        while proc.poll() is None:
+            fresh = set(ckpts.glob(".tmp-*")) - seen_tmp if ckpts.is_dir() else set()
+            if not fresh:
+                time.sleep(0.0002)
+                continue
+            proc.send_signal(signal.SIGSTOP)
+            tmp = fresh.pop()
+            if tmp.exists():  # frozen in the middle of writing this checkpoint
+                proc.kill()
+                proc.wait(timeout=30)
+                step = int(tmp.name.rsplit("_", 1)[1])
+                before = checkpoint.latest(crashed)  # None: killed in the very first save
+                expected = f"step_{step - 3:08d}" if step > 3 else None
+                assert (before.name if before else None) == expected
+                caught.append(step)
+                break
+            seen_tmp.add(tmp)  # it finished before the stop arrived: let it go on
+            proc.send_signal(signal.SIGCONT)
+        proc.wait(timeout=120)
+        if proc.returncode == 0:
+            break
+    assert run(byte_data, crashed, *common)["steps"] == 30
+    a, b = weights(tmp_path / "full"), weights(crashed)
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, caught)
+    assert len(caught) >= 2, caught
+    rows = [json.loads(line) for line in (crashed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 31))  # each step once
+
+
+def test_killed_between_the_renames_of_a_re_save_resumes(byte_data, tmp_path):
+    """Re-saving a step (after resuming from an earlier one) moves the old folder aside, then
+    renames the new one in; a kill between the two leaves `latest` naming a moved folder. The
+    moved copy is complete, so resume uses it instead of refusing."""
+    common = ["train.max_steps=6", "checkpoint.every=3", "eval.every=0", "eval.sample_every=0"]
+    common += ["eval.tokens=512", "model.dropout=0.1"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run(byte_data, full, *common)
+    shutil.copytree(full, cut)
+    root = cut / "checkpoints"
+    os.replace(root / "step_00000006", root / ".old-step_00000006")  # the first rename only
+    assert checkpoint.latest(cut) == root / ".old-step_00000006"
+    assert run(byte_data, cut, *common)["steps"] == 6  # nothing left to do, no error
+    assert checkpoint.latest(cut) == root / ".old-step_00000006"
+    assert run(byte_data, cut, *common, "train.max_steps=9")["steps"] == 9  # and it goes on
+    assert checkpoint.latest(cut) == root / "step_00000009"
