@@ -11,13 +11,13 @@ time with gradient communication switched off to report the share of time spent 
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
 from gptrain import dist
 from gptrain.config import accumulation_steps, load_config
+from gptrain.errors import ArgParser
 from gptrain.metrics import measure_peak_flops, synchronize
 from gptrain.train import build_training, train_step
 
@@ -99,7 +99,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="gptrain bench", description=__doc__.splitlines()[0])
+    parser = ArgParser(prog="gptrain bench", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--config", default="configs/bench.toml", help="config file (default configs/bench.toml)"
     )

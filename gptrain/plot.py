@@ -5,11 +5,10 @@ gptrain plot --run runs/debug            # writes runs/debug/loss.png
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from gptrain.errors import UserError
+from gptrain.errors import ArgParser, UserError
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -60,7 +59,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="gptrain plot", description="plot a run's loss curves")
+    parser = ArgParser(prog="gptrain plot", description="plot a run's loss curves")
     parser.add_argument("--run", required=True, help="run directory (run.dir of gptrain train)")
     parser.add_argument("--out", default=None, help="output PNG (default RUN/loss.png)")
     args = parser.parse_args(argv)

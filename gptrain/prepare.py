@@ -19,7 +19,6 @@ renamed to --out only when complete.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import multiprocessing
@@ -34,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from gptrain.corpora import BUILTIN_CORPORA, Document, expand_inputs, iter_documents
-from gptrain.errors import UserError
+from gptrain.errors import ArgParser, UserError
 from gptrain.shards import dtype_for_vocab, verify_dir, write_manifest, write_shard
 from gptrain.tokenizers import load_tokenizer
 
@@ -333,13 +332,8 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UserError(f"{self.prog}: {message}")
-
-
 def main(argv) -> int:
-    parser = _Parser(
+    parser = ArgParser(
         prog="gptrain prepare", description="Tokenize text into shards + manifest.json."
     )
     parser.add_argument(

@@ -9,14 +9,13 @@ the trainer holds it (plain, compiled in place, DDP, or FSDP2 on every rank in l
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from gptrain import checkpoint
-from gptrain.errors import UserError
+from gptrain.errors import ArgParser, UserError
 from gptrain.model import GPT, GPTConfig
 
 
@@ -112,7 +111,7 @@ def _pick_device(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="gptrain sample", description=__doc__.splitlines()[0])
+    p = ArgParser(prog="gptrain sample", description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="run directory (holds checkpoints/)")
     p.add_argument("--prompt", default="", help="text to continue; empty starts from end-of-text")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

