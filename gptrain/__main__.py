@@ -6,6 +6,7 @@ gptrain prepare --input a.txt --out data/my --tokenizer byte
 gptrain sample --run runs/debug --prompt "ROMEO:"
 gptrain bench --config configs/bench.toml
 gptrain plot --run runs/debug
+gptrain export --run runs/debug --out exports/debug   # a Hugging Face GPT-2 folder
 gptrain tokenizer train --input a.txt --vocab-size 4096 --out tok.json
 """
 
@@ -23,6 +24,7 @@ COMMANDS = {
     "sample": "gptrain.sample",
     "bench": "gptrain.bench",
     "plot": "gptrain.plot",
+    "export": "gptrain.export",
     "tokenizer": "gptrain.tokenizers",
 }
 

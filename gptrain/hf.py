@@ -1,6 +1,7 @@
 """Hugging Face GPT-2 interop without the hub: convert state dicts both ways.
 
     sd = to_hf_state_dict(model)                  # load into transformers' GPT2LMHeadModel
+    cfg = hf_config_dict(model.config, eot_id)    # its config.json (see gptrain/export.py)
     model = from_hf_state_dict(hf.state_dict(), config_from_hf(hf.config))
 
 The module names are the same on both sides; the differences are:
@@ -52,6 +53,33 @@ def config_from_hf(hf_config, dropout: float = 0.0) -> GPTConfig:
         dropout=dropout,
         bias=True,
     )
+
+
+def hf_config_dict(config: GPTConfig, eot_id: int) -> dict:
+    """The config.json of a transformers GPT2LMHeadModel with this architecture."""
+    if not config.bias:
+        raise ValueError("HF GPT-2 has biases; a bias=False model cannot be exported")
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,  # unpadded: HF has no padding rows
+        "n_positions": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None,  # 4 * n_embd
+        "activation_function": "gelu_new",  # tanh GELU
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "torch_dtype": "float32",
+    }
 
 
 def to_hf_state_dict(model: GPT) -> dict[str, Tensor]:

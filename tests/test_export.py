@@ -1,0 +1,121 @@
+"""`gptrain export`: transformers loads the folder as it is, and it computes what gptrain computes.
+
+The model: the same logits and the same greedy continuation. The tokenizer: the same ids as the
+run's own tokenizer (byte, GPT-2 against tiktoken on all of tiny shakespeare, a trained BPE).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from gptrain import checkpoint
+from gptrain.__main__ import main as cli
+from gptrain.export import bpe_merges, hf_tokenizer_json
+from gptrain.model import GPT, GPTConfig
+from gptrain.sample import generate_text
+from gptrain.tokenizers import ByteTokenizer, load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TRICKY = [
+    "ROMEO: But soft! what light through yonder window breaks?\n\n  It is the east.",
+    "naïve café — ünïcödé, 東京, emoji 🙂🙃, tabs\tand  double  spaces   ",
+    "numbers 12345 67.89 1e-5 and 'contractions' don't won't I'll we've they're",
+    "",
+]
+
+
+def _eot_splits(tok, encode) -> None:
+    """The exported tokenizer reads the literal end-of-text text as the special id, as HF does."""
+    assert encode("a<|endoftext|>b") == [*tok.encode("a"), tok.eot_id, *tok.encode("b")]
+
+
+def _save_run(run_dir, tokenizer, seed: int = 0) -> GPT:
+    """A checkpoint of a small random model (every parameter randomised, LayerNorms included)."""
+    cfg = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(seed)
+    model = GPT(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    meta = {"model": asdict(cfg), "tokenizer": tokenizer.identity(), "step": 7}
+    checkpoint.save(run_dir, 7, model.state_dict(), meta=meta)
+    return model
+
+
+def test_byte_run_exports_a_folder_transformers_loads_and_agrees_with(tmp_path, capsys):
+    tok = ByteTokenizer()
+    model = _save_run(tmp_path / "run", tok)
+    out = tmp_path / "hf"
+    assert cli(["export", "--run", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    for text in TRICKY:
+        ids = tok.encode(text)
+        assert hf_tok(text)["input_ids"] == ids, text
+        assert hf_tok.decode(ids) == text
+    assert hf_tok.eos_token_id == tok.eot_id == hf.config.eos_token_id
+    _eot_splits(tok, lambda t: hf_tok(t)["input_ids"])
+    idx = torch.tensor([tok.encode(TRICKY[0])[:64]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx)[0], rtol=0, atol=1e-4)
+        prompt = torch.tensor([tok.encode("ROMEO:")])
+        hf_greedy = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=tok.eot_id)
+    ours = generate_text(model, tok, "ROMEO:", max_new_tokens=20, temperature=0, top_k=None, num_samples=1, seed=0, device="cpu")[0]  # fmt: skip
+    assert hf_tok.decode(hf_greedy[0, prompt.size(1) :]) == ours
+
+
+def test_gpt2_tokenizer_export_equals_tiktoken_on_all_of_tiny_shakespeare(
+    gpt2_env, shakespeare_txt
+):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = load_tokenizer("gpt2")
+    hf_tok = HFTokenizer.from_str(hf_tokenizer_json(tok))
+    text = shakespeare_txt.read_text(encoding="utf-8")
+    assert hf_tok.encode(text, add_special_tokens=False).ids == tok.encode(text)
+    for t in TRICKY:
+        assert hf_tok.encode(t, add_special_tokens=False).ids == tok.encode(t), t
+        assert hf_tok.decode(tok.encode(t)) == t
+    assert hf_tok.token_to_id("<|endoftext|>") == tok.eot_id == 50256
+    _eot_splits(tok, lambda t: hf_tok.encode(t, add_special_tokens=False).ids)
+    assert hf_tok.get_vocab_size() == 50257
+
+
+def test_merges_rebuilt_from_ranks_follow_rank_order():
+    ranks = {b"a": 0, b"b": 1, b"c": 2, b"ab": 3, b"bc": 4, b"abc": 5}
+    assert bpe_merges(ranks) == [(b"a", b"b"), (b"b", b"c"), (b"a", b"bc"), (b"ab", b"c")]
+
+
+def test_bpe_run_exports_its_own_tokenizer(tmp_path, shakespeare_txt):
+    from gptrain.tokenizers import train_bpe
+
+    text = shakespeare_txt.read_text(encoding="utf-8")[:200_000]
+    tok = train_bpe([text], 400, tmp_path / "tok.json")
+    _save_run(tmp_path / "run", tok)
+    (tmp_path / "tok.json").unlink()  # the checkpoint keeps its own copy
+    assert cli(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    sample = text[:5000]
+    assert hf_tok(sample)["input_ids"] == tok.encode(sample)
+
+
+def test_bad_input_is_one_line_and_nothing_is_overwritten(tmp_path, capsys):
+    _save_run(tmp_path / "run", ByteTokenizer())
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert cli(["export", "--run", str(tmp_path / "run"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already exists" in err[0]
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert cli(["export", "--run", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "y"), "--step", "3"]) == 2  # fmt: skip
+    assert "no checkpoint for step 3" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
