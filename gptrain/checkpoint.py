@@ -6,7 +6,8 @@ Layout (a contract, see README):
       step_00000100/
         model.safetensors   unwrapped model weights (no `module.` / `_orig_mod.` prefixes)
         state.pt            {optimizer, data, train_state (step, RNG of every rank, ...)}
-        meta.json           readable: step, model config, tokenizer identity, tokens seen, ...
+        meta.json           readable: step, model config, tokenizer identity, tokens seen, ...,
+                            and the size + sha256 of every other file (checked when loaded)
         tokenizer.json      only for a trained BPE tokenizer: a copy, so the folder stands alone
       latest                name of the newest complete checkpoint folder
 
@@ -17,6 +18,7 @@ previous complete checkpoint or the new complete one: never a half-written folde
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -100,7 +102,9 @@ def save(
     tok_file = meta.get("tokenizer", {}).get("path")  # a trained BPE: keep it with the weights
     if tok_file and Path(tok_file).is_file():
         _fsync_write(tmp / TOKENIZER_FILE, Path(tok_file).read_bytes())
-    _fsync_write(tmp / "meta.json", (json.dumps({"step": step, **meta}, indent=2) + "\n").encode())
+    files = {f.name: _file_record(f) for f in sorted(tmp.iterdir())}  # what meta.json vouches for
+    meta_text = json.dumps({"step": step, **meta, "files": files}, indent=2) + "\n"
+    _fsync_write(tmp / "meta.json", meta_text.encode())
     old = root / f".old-{name}"
     if final.exists():  # re-saving a step (a run resumed from an earlier step): two quick renames
         if old.exists():
@@ -177,9 +181,33 @@ def load_meta(ckpt_dir: str | Path) -> dict:
         raise UserError(f"cannot read checkpoint metadata {path}: {e}") from None
 
 
+def _file_record(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return {
+            "bytes": path.stat().st_size,
+            "sha256": hashlib.file_digest(f, "sha256").hexdigest(),
+        }
+
+
+def verify_file(path: Path, meta: dict) -> None:
+    """The file is the one meta.json recorded (size and sha256); a UserError names it if not.
+    (Checkpoints written before files were recorded are not checked.)"""
+    want = meta.get("files", {}).get(path.name)
+    if want is None:
+        return
+    got = _file_record(path) if path.is_file() else {"bytes": -1, "sha256": "missing"}
+    if got != want:
+        raise UserError(
+            f"checkpoint file {path} is damaged ({got['bytes']} bytes, sha256 {got['sha256'][:12]}; meta.json recorded {want['bytes']} bytes, {want['sha256'][:12]}); "
+            "restore it, or resume from an earlier checkpoint with --checkpoint.resume=STEP"
+        )
+
+
 def load_model_state(ckpt_dir: str | Path, device: str = "cpu") -> tuple[dict, dict]:
-    """(model state dict, meta) of a checkpoint folder."""
+    """(model state dict, meta) of a checkpoint folder, its weights file verified first."""
     path = Path(ckpt_dir) / "model.safetensors"
+    meta = load_meta(ckpt_dir)
+    verify_file(path, meta)
     try:
         state = load_file(str(path), device=device)
         with safe_open(str(path), framework="pt") as f:
@@ -188,7 +216,7 @@ def load_model_state(ckpt_dir: str | Path, device: str = "cpu") -> tuple[dict, d
         raise UserError(f"cannot read checkpoint weights {path}: {e}") from None
     for alias, source in tied.items():
         state[alias] = state[source]
-    return state, load_meta(ckpt_dir)
+    return state, meta
 
 
 def load_state(ckpt_dir: str | Path) -> dict:
@@ -198,6 +226,7 @@ def load_state(ckpt_dir: str | Path) -> dict:
         raise UserError(
             f"checkpoint {ckpt_dir} has no training state (state.pt); it can be sampled but not resumed"
         )
+    verify_file(path, load_meta(ckpt_dir))
     try:  # our own file (it holds Python/numpy RNG states, so not weights_only): trust it as code
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # truncated or damaged: pickle, zip and torch raise various types

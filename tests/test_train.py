@@ -258,14 +258,28 @@ def test_ctrl_c_stops_cleanly_with_a_final_log_line(byte_data, tmp_path):
     assert checkpoint.latest(run_dir) is not None  # what was written is intact and resumable
 
 
-@pytest.mark.parametrize("damaged", ["model.safetensors", "state.pt", "meta.json"])
+@pytest.mark.parametrize(
+    "damaged, how",
+    [
+        ("model.safetensors", "truncated"),
+        ("state.pt", "truncated"),
+        ("meta.json", "truncated"),
+        ("model.safetensors", "one bit flipped"),  # still a valid file: only the hash can tell
+        ("state.pt", "one bit flipped"),
+    ],
+)
 def test_damaged_checkpoint_is_one_line_and_nothing_is_overwritten(
-    byte_data, tmp_path, capsys, damaged
+    byte_data, tmp_path, capsys, damaged, how
 ):
     run_dir = tmp_path / "run"
     run(byte_data, run_dir, "train.max_steps=2", "train.warmup_steps=1", "eval.every=0", "eval.sample_every=0", "eval.tokens=512")  # fmt: skip
     path = checkpoint.find(run_dir) / damaged
-    path.write_bytes(path.read_bytes()[:40])  # truncated, e.g. by a full disk or a bad copy
+    data = bytearray(path.read_bytes())
+    if how == "truncated":  # e.g. by a full disk or a bad copy
+        data = data[:40]
+    else:  # bit rot in the middle of the tensor data
+        data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     rc = cli(["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--train.max_steps=4", "--train.warmup_steps=1"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
