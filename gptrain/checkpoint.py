@@ -317,9 +317,9 @@ def save_training(
 def restore_training(ckpt_dir, model, optimizer, loader, info) -> dict:
     """Collective: load a checkpoint written by save_training into (possibly wrapped) parts.
 
-    The model and optimizer are read on the main process and broadcast (works for any world size
-    and for FSDP). RNG states are restored per rank when the world size is unchanged.
-    Returns the saved train_state."""
+    Only the main process reads the files; the model and optimizer are broadcast from it (any
+    world size, FSDP included), and so are the data cursor and the train state. RNG states are
+    restored per rank when the world size is unchanged. Returns the saved train_state."""
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -327,14 +327,13 @@ def restore_training(ckpt_dir, model, optimizer, loader, info) -> dict:
 
     from gptrain import dist as gdist
 
-    state = load_state(ckpt_dir)
-    model_state, _ = load_model_state(ckpt_dir)
+    # only the main process reads the files (the other ranks may have no copy of the run directory)
+    state, model_state = gdist.on_main(
+        info, lambda: (load_state(ckpt_dir), load_model_state(ckpt_dir)[0]), default=(None, {})
+    )
+    optim_state = state["optimizer"] if state is not None else {}
     broadcast = gdist.active()
     opts = _options(broadcast_from_rank0=broadcast, strict=True)
-    if broadcast and not info.is_main:
-        model_state, optim_state = {}, {}
-    else:
-        optim_state = state["optimizer"]
     try:
         set_model_state_dict(model, model_state, options=opts)
     except RuntimeError as e:
@@ -342,8 +341,10 @@ def restore_training(ckpt_dir, model, optimizer, loader, info) -> dict:
             f"checkpoint {ckpt_dir} does not fit this model ({str(e).splitlines()[0]}); use the same [model] config it was trained with"
         ) from None
     set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
-    loader.load_state_dict(state["data"])
-    ts = state["train_state"]
+    small = {"data": state["data"], "train_state": state["train_state"]} if state else None
+    small = gdist.broadcast_from_main(small)
+    loader.load_state_dict(small["data"])
+    ts = small["train_state"]
     if ts.get("world_size") == info.world_size:
         _set_rng_state(ts["rng"][info.rank], info.device)
     return ts

@@ -280,6 +280,21 @@ def on_main(info: DistInfo, fn, default=None):
     return result
 
 
+def from_main(info: DistInfo, fn):
+    """fn() on the main process, its (picklable) result sent to every rank: decisions that read
+    the run directory, which only the main process is sure to have (no shared filesystem needed)."""
+    return broadcast_from_main(on_main(info, fn))
+
+
+def broadcast_from_main(obj):
+    """The main process's `obj` on every rank (identity for world size 1)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _attempt(fn) -> tuple:
     """(fn(), "") or (None, the UserError's message)."""
     try:

@@ -148,9 +148,9 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 
     # resume: from the latest checkpoint of this run directory when there is one
     step, tokens_seen, elapsed_before = 0, 0, 0.0
-    ckpt = checkpoint.resume_point(run_dir, cfg.checkpoint.resume)
-    if ckpt is not None:
-        saved_tok = checkpoint.load_meta(ckpt).get("tokenizer", {})
+    ckpt = dist.from_main(info, lambda: checkpoint.resume_point(run_dir, cfg.checkpoint.resume))
+    if ckpt is not None:  # only the main process reads the run directory (it alone writes it)
+        saved_tok = dist.from_main(info, lambda: checkpoint.load_meta(ckpt)).get("tokenizer", {})
         if saved_tok.get("hash") != tokenizer.identity().get("hash"):
             raise UserError(
                 f"data in {data_dir} uses tokenizer {tokenizer.identity().get('name')!r} but checkpoint {ckpt} was trained with {saved_tok.get('name')!r}; use the same data.dir/data.tokenizer or a new run.dir"

@@ -165,6 +165,31 @@ def test_fsdp_checkpoint_resumes_exactly(runs, tmp_path):
             torch.testing.assert_close(sb["optimizer"]["state"][k][name], t, rtol=1e-6, atol=1e-7)
 
 
+def test_resume_needs_the_run_directory_on_rank_0_only(runs, byte_data, tmp_path):
+    """No shared filesystem: rank 1's working directory holds no run directory at all. Rank 0
+    finds the checkpoint and sends the rest, so 2 ranks continue the DDP run from step 5 to 7 and
+    end where one process continuing the same checkpoint ends."""
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    shutil.copytree(runs["ddp_cwds"][0], node0)
+    node1.mkdir()
+    longer = "--train.max_steps=7"
+    procs = h.spawn(gptrain_args(byte_data, "run", "--dist.mode=ddp", longer), cwds=[node0, node1])
+    results = h.wait_all(procs, TIMEOUT)
+    h.check_ok(results)
+    assert "resumed from" in results[0][1] and "step_00000005" in results[0][1]
+    assert list(node1.iterdir()) == []
+    single = tmp_path / "single"
+    shutil.copytree(node0 / "run", single)
+    shutil.rmtree(single / "checkpoints" / "step_00000007")
+    (single / "checkpoints" / "latest").write_text("step_00000005\n")
+    cfg = load_config(h.DEBUG, [a[2:] for a in gptrain_args(byte_data, single, longer)[5:]])
+    assert train(cfg, DistInfo())["steps"] == 7
+    a = load_file(str(checkpoint.find(single) / "model.safetensors"))
+    b = load_file(str(checkpoint.find(node0 / "run") / "model.safetensors"))
+    assert checkpoint.find(single).name == checkpoint.find(node0 / "run").name == "step_00000007"
+    assert_same_weights(a, b, "2 ranks resumed without a shared run directory")
+
+
 def test_checkpoint_resumes_on_another_world_size(runs, tmp_path):
     """The FSDP2 run's step-3 checkpoint (2 ranks, sharded) resumed by ONE plain process ends
     where the 1-process run ends: weights, optimizer and data cursor are world-size independent."""
