@@ -16,10 +16,11 @@ import time
 import torch
 
 from gptrain import dist
+from gptrain.build import build_training
 from gptrain.config import accumulation_steps, load_config
 from gptrain.errors import ArgParser
 from gptrain.metrics import measure_peak_flops, synchronize
-from gptrain.train import build_training, train_step
+from gptrain.train import train_step
 
 VOCAB = {"byte": 257, "gpt2": 50257}
 

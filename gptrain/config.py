@@ -33,6 +33,10 @@ class ModelConfig:
     n_embd: int = opt(256, "model width; must be divisible by n_head (ignored when preset is set)")
     dropout: float = opt(0.0, "dropout probability in [0, 1)")
     block_size: int = opt(0, "maximum context length; 0 means train.seq_len")
+    init_from: str = opt(
+        "",
+        "start from the weights of a Hugging Face GPT-2 folder (config.json + model.safetensors, e.g. from gptrain export or save_pretrained) instead of a random init; its config.json sets the architecture",
+    )
 
 
 @dataclass(frozen=True)
@@ -268,6 +272,10 @@ def validate(cfg: Config) -> None:
     _check(t.weight_decay >= 0, f"train.weight_decay = {t.weight_decay} must be >= 0")
     _check(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)")
     _check(0 <= m.dropout < 1, f"model.dropout = {m.dropout} must be in [0, 1)")
+    _check(
+        not (m.init_from and m.preset),
+        f"model.init_from = {m.init_from!r} and model.preset = {m.preset!r}: the weights' config.json sets the architecture; leave model.preset empty",
+    )
     if not m.preset:
         for key in ("n_layer", "n_head", "n_embd"):
             _check(getattr(m, key) >= 1, f"model.{key} = {getattr(m, key)} must be >= 1")

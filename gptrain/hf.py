@@ -3,6 +3,7 @@
     sd = to_hf_state_dict(model)                  # load into transformers' GPT2LMHeadModel
     cfg = hf_config_dict(model.config, eot_id)    # its config.json (see gptrain/export.py)
     model = from_hf_state_dict(hf.state_dict(), config_from_hf(hf.config))
+    model = load_hf_folder("exports/run")        # a folder from save_pretrained / gptrain export
 
 The module names are the same on both sides; the differences are:
   * HF's attention and MLP projections are `Conv1D` layers storing weights as (in, out), the
@@ -14,9 +15,14 @@ transformers itself is not needed by this module, only by whoever builds the HF 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
+from gptrain.errors import UserError
 from gptrain.model import GPT, GPTConfig
 
 # weights that HF stores as Conv1D (in, out); nn.Linear is (out, in)
@@ -127,3 +133,43 @@ def from_hf_state_dict(sd: dict[str, Tensor], config: GPTConfig) -> GPT:
     model.load_state_dict(state, assign=True)  # strict: a missing or extra key is an error
     model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced both: re-tie
     return model
+
+
+# GPT2Config's defaults, for config.json files that leave a field out
+HF_GPT2_DEFAULTS = {
+    "vocab_size": 50257,
+    "n_positions": 1024,
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "n_inner": None,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-5,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False,
+}
+
+
+def load_hf_folder(folder: str | Path, dropout: float = 0.0) -> GPT:
+    """A GPT from a Hugging Face GPT-2 folder (config.json + model.safetensors or
+    pytorch_model.bin), e.g. from `save_pretrained`, the hub's files, or `gptrain export`."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {folder / 'config.json'} ({e}); give a Hugging Face GPT-2 folder") from None  # fmt: skip
+    if raw.get("model_type", "gpt2") != "gpt2":
+        raise UserError(f"{folder} holds a {raw.get('model_type')!r} model; only GPT-2 loads")
+    try:
+        config = config_from_hf(SimpleNamespace(**{**HF_GPT2_DEFAULTS, **raw}), dropout=dropout)
+        if (folder / "model.safetensors").is_file():
+            sd = load_file(str(folder / "model.safetensors"))
+        else:
+            sd = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return from_hf_state_dict(sd, config)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise UserError(f"cannot load GPT-2 weights from {folder}: {first}") from None

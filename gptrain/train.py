@@ -24,51 +24,12 @@ from dataclasses import asdict
 import torch
 
 from gptrain import checkpoint, dist, launch
+from gptrain.build import build_training
 from gptrain.config import Config, accumulation_steps, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
 from gptrain.logs import NullLogger, RunLogger, require_packages
 from gptrain.metrics import format_duration, measure_peak_flops, mfu, synchronize
-from gptrain.precision import mixed_precision, resolve_dtype, set_matmul_precision
-
-
-def build_model(cfg: Config, vocab_size: int):
-    from gptrain.model import GPT, PRESETS, GPTConfig
-
-    m = cfg.model
-    if m.preset and m.preset not in PRESETS:
-        raise UserError(f"model.preset = {m.preset!r}; allowed: {', '.join(PRESETS)} or empty")
-    arch = (
-        PRESETS[m.preset]
-        if m.preset
-        else {"n_layer": m.n_layer, "n_head": m.n_head, "n_embd": m.n_embd}
-    )
-    return GPT(
-        GPTConfig(
-            vocab_size=vocab_size,
-            block_size=m.block_size or cfg.train.seq_len,
-            dropout=m.dropout,
-            **arch,
-        )
-    )
-
-
-def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str, compile: bool):
-    """(model, wrapped, optimizer, compute dtype, autocast, scaler), in this order: the model with
-    the same initialisation on every rank (same seed), parallelism applied from outside, then the
-    optimizer over the (possibly sharded) parameters."""
-    from gptrain.optim import build_optimizer
-
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, vocab_size).to(info.device)
-    ptdtype = resolve_dtype(dtype, info.device_type)
-    set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
-    wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=compile, param_dtype=ptdtype)
-    t = cfg.train
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, device_type=info.device_type)  # fmt: skip
-    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
-    autocast, scaler = mixed_precision(ptdtype, info.device_type, fsdp)
-    return model, wrapped, optimizer, ptdtype, autocast, scaler
 
 
 def train_step(

@@ -115,10 +115,10 @@ def _setup(overrides: list[str]):
     import torch
 
     from gptrain import dist
+    from gptrain.build import build_model
     from gptrain.config import accumulation_steps, load_config
     from gptrain.loader import Dataset, TrainLoader
     from gptrain.optim import build_optimizer
-    from gptrain.train import build_model
 
     cfg = load_config(DEBUG, [o.removeprefix("--") for o in overrides])
     info = dist.DistInfo.from_env("cpu")
@@ -201,12 +201,13 @@ def worker_train_probe(overrides: list[str]) -> dict:
     and the dropout masks of the first forward on every rank."""
     import torch
 
+    import gptrain.build as gbuild
     import gptrain.train as gtrain
     from gptrain import dist
     from gptrain.config import load_config
 
     probe: dict = {}
-    original = gtrain.build_model
+    original = gbuild.build_model
 
     def build_with_probes(cfg, vocab):
         model = original(cfg, vocab)
@@ -224,7 +225,7 @@ def worker_train_probe(overrides: list[str]) -> dict:
         dropouts[0].register_forward_hook(mask)
         return model
 
-    gtrain.build_model = build_with_probes
+    gbuild.build_model = build_with_probes
     cfg = load_config(DEBUG, [o.removeprefix("--") for o in overrides])
     info = dist.DistInfo.from_env("cpu")
     dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)

@@ -108,7 +108,7 @@ def test_ddp_fsdp_multinode_equal_single_process(runs):
         assert_same_weights(single, other, f"1 process vs {name}")
     torch.manual_seed(1337)  # training really moved the weights
     cfg = load_config(h.DEBUG)
-    from gptrain.train import build_model
+    from gptrain.build import build_model
 
     init = build_model(cfg, 257).state_dict()
     assert max((init[k] - single[k]).abs().max().item() for k in single) > 1e-3

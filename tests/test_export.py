@@ -7,6 +7,7 @@ run's own tokenizer (byte, GPT-2 against tiktoken on all of tiny shakespeare, a 
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +120,45 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(tmp_path, capsys):
     assert cli(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "y"), "--step", "3"]) == 2  # fmt: skip
     assert "no checkpoint for step 3" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_training_can_start_from_an_exported_folder(byte_data, tmp_path, capsys):
+    """Round trip: train, export, start a new run from the export. The new run's step-0 validation
+    loss is the first run's final one: the same function, imported exactly."""
+    import json
+
+    debug = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
+    common = [f"--data.dir={byte_data}", "--log.progress=false", "--eval.sample_every=0"]
+    first, second, hf_dir = tmp_path / "first", tmp_path / "second", tmp_path / "hf"
+    assert cli(["train", "--config", debug, f"--run.dir={first}", "--train.max_steps=8", *common]) == 0  # fmt: skip
+    assert cli(["export", "--run", str(first), "--out", str(hf_dir)]) == 0
+    init = [f"--run.dir={second}", f"--model.init_from={hf_dir}", "--train.max_steps=2", "--train.warmup_steps=1"]  # fmt: skip
+    assert cli(["train", "--config", debug, *init, *common]) == 0
+
+    def val_losses(run_dir):
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [r["val_loss"] for r in rows if "val_loss" in r]
+
+    assert val_losses(second)[0] == pytest.approx(val_losses(first)[-1], rel=1e-6)
+    assert val_losses(second)[0] < 0.9 * val_losses(first)[0]  # far from an untrained model
+
+
+def test_init_from_refuses_mismatched_or_missing_weights(byte_data, tmp_path, capsys):
+    debug = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
+    big_vocab = tmp_path / "gpt2-vocab"  # a GPT-2-tokenizer model cannot read byte-level data
+    cfg = GPTConfig(vocab_size=50257, block_size=64, n_layer=1, n_head=2, n_embd=32)
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=50257, n_positions=64, n_layer=1, n_head=2, n_embd=32)
+    )
+    hf.save_pretrained(big_vocab)
+    capsys.readouterr()  # transformers' own progress output
+    assert cfg.vocab_size == hf.config.vocab_size
+    for folder, needle in [
+        (big_vocab, "has vocab 50257 and context 64, but the data's tokenizer has vocab 257"),
+        (tmp_path / "missing", "cannot read"),
+    ]:
+        args = ["train", "--config", debug, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", f"--model.init_from={folder}"]  # fmt: skip
+        assert cli(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "r").exists()

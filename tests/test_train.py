@@ -17,9 +17,10 @@ from safetensors.torch import load_file
 
 from gptrain import checkpoint
 from gptrain.__main__ import main as cli
+from gptrain.build import build_model
 from gptrain.config import load_config
 from gptrain.dist import DistInfo
-from gptrain.train import build_model, train
+from gptrain.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
