@@ -282,9 +282,10 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                 t_log = time.perf_counter()
     except KeyboardInterrupt:
         loader.close()
-        logger.text(
-            f"interrupted at step {step}; the last checkpoint is {checkpoint.latest(run_dir)}; run the same command to resume"
-        )
+        if info.is_main:  # only the main process reads the run directory
+            logger.text(
+                f"interrupted at step {step}; the last checkpoint is {checkpoint.latest(run_dir)}; run the same command to resume"
+            )
         if bar:
             bar.close()
         logger.close()
