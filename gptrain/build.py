@@ -12,10 +12,15 @@ from gptrain.errors import UserError
 from gptrain.precision import mixed_precision, resolve_dtype, set_matmul_precision
 
 
-def build_model(cfg: Config, vocab_size: int):
+def build_model(cfg: Config, vocab_size: int, saved_arch: dict | None = None):
+    """The model to train, randomly initialised (preset or n_layer/n_head/n_embd), or from the
+    pretrained folder of model.init_from. `saved_arch` (a checkpoint's model config) replaces
+    that folder when a run started from it resumes: the checkpoint holds the weights."""
     from gptrain.model import GPT, PRESETS, GPTConfig
 
     m = cfg.model
+    if m.init_from and saved_arch is not None:
+        return GPT(GPTConfig(**{**saved_arch, "dropout": m.dropout}))
     if m.init_from:  # pretrained weights: their config.json sets the architecture
         from gptrain.hf import load_hf_folder
 
@@ -44,14 +49,14 @@ def build_model(cfg: Config, vocab_size: int):
     )
 
 
-def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str, compile: bool):
+def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str, compile: bool, saved_arch: dict | None = None):  # fmt: skip
     """(model, wrapped, optimizer, compute dtype, autocast, scaler), in this order: the model with
     the same initialisation on every rank (same seed), parallelism applied from outside, then the
     optimizer over the (possibly sharded) parameters."""
     from gptrain.optim import build_optimizer
 
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, vocab_size).to(info.device)
+    model = build_model(cfg, vocab_size, saved_arch).to(info.device)
     ptdtype = resolve_dtype(dtype, info.device_type)
     set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
     wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=compile, param_dtype=ptdtype)

@@ -102,20 +102,23 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         device=info.device,
     )
 
-    model, wrapped, optimizer, ptdtype, autocast, scaler = build_training(
-        cfg, info, dataset.vocab_size, t.dtype, t.compile
-    )
-    byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
-
     # resume: from the latest checkpoint of this run directory when there is one
-    step, tokens_seen, elapsed_before = 0, 0, 0.0
     ckpt = dist.from_main(info, lambda: checkpoint.resume_point(run_dir, cfg.checkpoint.resume))
-    if ckpt is not None:  # only the main process reads the run directory (it alone writes it)
-        saved_tok = dist.from_main(info, lambda: checkpoint.load_meta(ckpt)).get("tokenizer", {})
+    saved = {}  # only the main process reads the run directory (it alone writes it)
+    if ckpt is not None:
+        saved = dist.from_main(info, lambda: checkpoint.load_meta(ckpt))
+        saved_tok = saved.get("tokenizer", {})
         if saved_tok.get("hash") != tokenizer.identity().get("hash"):
             raise UserError(
                 f"data in {data_dir} uses tokenizer {tokenizer.identity().get('name')!r} but checkpoint {ckpt} was trained with {saved_tok.get('name')!r}; use the same data.dir/data.tokenizer or a new run.dir"
             )
+
+    model, wrapped, optimizer, ptdtype, autocast, scaler = build_training(
+        cfg, info, dataset.vocab_size, t.dtype, t.compile, saved_arch=saved.get("model")
+    )
+    byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
+    step, tokens_seen, elapsed_before = 0, 0, 0.0
+    if ckpt is not None:
         ts = checkpoint.restore_training(ckpt, model, optimizer, loader, info)
         step, tokens_seen, elapsed_before = ts["step"], ts["tokens"], ts.get("elapsed_s", 0.0)
         if ts.get("world_size") != info.world_size:

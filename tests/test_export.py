@@ -6,6 +6,7 @@ run's own tokenizer (byte, GPT-2 against tiktoken on all of tiny shakespeare, a 
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -141,6 +142,11 @@ def test_training_can_start_from_an_exported_folder(byte_data, tmp_path, capsys)
 
     assert val_losses(second)[0] == pytest.approx(val_losses(first)[-1], rel=1e-6)
     assert val_losses(second)[0] < 0.9 * val_losses(first)[0]  # far from an untrained model
+    shutil.rmtree(hf_dir)  # resuming needs only the run's checkpoint, not the pretrained folder
+    longer = [arg.replace("max_steps=2", "max_steps=3") for arg in init]
+    assert cli(["train", "--config", debug, *longer, *common]) == 0
+    assert "resumed from" in (second / "train.log").read_text()
+    assert checkpoint.latest(second).name == "step_00000003"
 
 
 def test_init_from_refuses_mismatched_or_missing_weights(byte_data, tmp_path, capsys):
