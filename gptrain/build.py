@@ -60,8 +60,7 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     ptdtype = resolve_dtype(dtype, info.device_type)
     set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
     wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=compile, param_dtype=ptdtype)
-    t = cfg.train
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, device_type=info.device_type)  # fmt: skip
+    optimizer = build_optimizer(model, cfg.optim, device_type=info.device_type)
     fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
     autocast, scaler = mixed_precision(ptdtype, info.device_type, fsdp)
     return model, wrapped, optimizer, ptdtype, autocast, scaler

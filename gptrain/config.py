@@ -59,13 +59,6 @@ class TrainConfig:
         32768, "tokens per optimizer step over all processes and micro-steps"
     )
     max_steps: int = opt(200, "optimizer steps to train")
-    lr: float = opt(1e-3, "peak learning rate (reached after warmup)")
-    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
-    warmup_steps: int = opt(20, "linear warmup steps")
-    weight_decay: float = opt(0.1, "AdamW weight decay, applied to >=2-D parameters only")
-    grad_clip: float = opt(
-        1.0, "global gradient-norm clip; 0 disables clipping (the norm is still logged)"
-    )
     dtype: str = opt(
         "auto",
         "compute dtype: auto picks bf16 where supported, else float16 on CUDA, else float32",
@@ -80,6 +73,38 @@ class TrainConfig:
     device: str = opt(
         "auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda")
     )
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = opt(
+        "adamw",
+        "adamw: AdamW for every parameter; muon: torch.optim.Muon for the 2-D matrices inside the blocks and AdamW for embeddings, the output head and 1-D parameters",
+        ("adamw", "muon"),
+    )
+    lr: float = opt(1e-3, "peak AdamW learning rate (reached after warmup)")
+    min_lr: float = opt(1e-4, "AdamW learning rate at the end of the schedule")
+    warmup_steps: int = opt(20, "linear warmup steps")
+    lr_schedule: str = opt(
+        "cosine",
+        "cosine: warmup then cosine decay to min_lr; wsd: warmup, constant, then linear decay to min_lr over the last decay_fraction of the steps",
+        ("cosine", "wsd"),
+    )
+    decay_fraction: float = opt(
+        0.2, "wsd only: fraction of train.max_steps spent in the final linear decay, in (0, 1]"
+    )
+    weight_decay: float = opt(0.1, "AdamW weight decay, applied to >=2-D parameters only")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    grad_clip: float = opt(
+        1.0, "global gradient-norm clip; 0 disables clipping (the norm is still logged)"
+    )
+    muon_lr: float = opt(
+        0.02, "muon only: peak learning rate of the Muon matrices (the schedule scales it like lr)"
+    )
+    muon_momentum: float = opt(0.95, "muon only: Nesterov momentum of the Muon matrices")
+    muon_ns_steps: int = opt(5, "muon only: Newton-Schulz iterations of the orthogonalisation")
 
 
 @dataclass(frozen=True)
@@ -159,6 +184,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -167,6 +193,8 @@ class Config:
 
 
 SECTIONS = {f.name: f.default_factory for f in fields(Config)}
+# keys that older configs had under [train]
+MOVED_TO_OPTIM = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
 
 
 def _field_types(section_cls) -> dict[str, type]:
@@ -207,6 +235,8 @@ def _apply(values: dict[str, dict], key: str, raw, from_cli: bool) -> None:
     if section not in SECTIONS or not name:
         raise UserError(f"unknown config section in {key!r}; sections are: {', '.join(SECTIONS)}")
     types = _field_types(type(SECTIONS[section]()))
+    if section == "train" and name in MOVED_TO_OPTIM:
+        raise UserError(f"{key} moved to the [optim] section: use optim.{name}")
     if name not in types:
         raise UserError(f"unknown config key {key!r}; keys of [{section}]: {', '.join(types)}")
     values[section][name] = _coerce(key, raw, types[name], from_cli)
@@ -236,7 +266,7 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple = (
         key, eq, raw = item.partition("=")
         if not eq:
             raise UserError(
-                f"override {item!r} needs the form section.key=value, e.g. train.lr=1e-3"
+                f"override {item!r} needs the form section.key=value, e.g. optim.lr=1e-3"
             )
         _apply(values, key.strip(), raw.strip(), from_cli=True)
     cfg = Config(**{s: type(SECTIONS[s]())(**values[s]) for s in SECTIONS})
@@ -263,14 +293,24 @@ def validate(cfg: Config) -> None:
     t, m = cfg.train, cfg.model
     for key in ("micro_batch_size", "seq_len", "total_batch_size", "max_steps"):
         _check(getattr(t, key) >= 1, f"train.{key} = {getattr(t, key)} must be >= 1")
-    _check(t.lr > 0, f"train.lr = {t.lr} must be > 0")
-    _check(0 <= t.min_lr <= t.lr, f"train.min_lr = {t.min_lr} must be in [0, train.lr = {t.lr}]")
+    o = cfg.optim
+    _check(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
+    _check(0 <= o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
     _check(
-        0 <= t.warmup_steps <= t.max_steps,
-        f"train.warmup_steps = {t.warmup_steps} must be in [0, train.max_steps = {t.max_steps}]",
+        0 <= o.warmup_steps <= t.max_steps,
+        f"optim.warmup_steps = {o.warmup_steps} must be in [0, train.max_steps = {t.max_steps}]",
     )
-    _check(t.weight_decay >= 0, f"train.weight_decay = {t.weight_decay} must be >= 0")
-    _check(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)")
+    _check(
+        0 < o.decay_fraction <= 1,
+        f"optim.decay_fraction = {o.decay_fraction} must be in (0, 1], e.g. 0.2 (the last 20% of the steps)",
+    )
+    _check(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay} must be >= 0")
+    for key in ("beta1", "beta2", "muon_momentum"):
+        _check(0 <= getattr(o, key) < 1, f"optim.{key} = {getattr(o, key)} must be in [0, 1)")
+    _check(o.eps > 0, f"optim.eps = {o.eps} must be > 0")
+    _check(o.muon_lr > 0, f"optim.muon_lr = {o.muon_lr} must be > 0")
+    _check(o.muon_ns_steps >= 1, f"optim.muon_ns_steps = {o.muon_ns_steps} must be >= 1")
+    _check(o.grad_clip >= 0, f"optim.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
     _check(0 <= m.dropout < 1, f"model.dropout = {m.dropout} must be in [0, 1)")
     _check(
         not (m.init_from and m.preset),

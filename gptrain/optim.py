@@ -11,6 +11,8 @@ import math
 import torch
 import torch.nn as nn
 
+from gptrain.config import OptimConfig
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: dim >= 2 parameters decayed, the rest not; a tied weight appears once."""
@@ -24,22 +26,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, device_type: str
-) -> torch.optim.AdamW:
-    """AdamW(betas=(0.9, 0.95), eps=1e-8): the fused kernel on CUDA, else the foreach one."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
+    """AdamW(betas=(beta1, beta2), eps) over param_groups: the fused kernel on CUDA, else foreach."""
     fused = device_type == "cuda"
     return torch.optim.AdamW(
-        param_groups(model, weight_decay),
-        lr=lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
         fused=fused,
         foreach=not fused,
     )
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """The learning rate of optimizer step `step` under cfg's schedule (see the two below)."""
+    return cosine_lr(
+        step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=max_steps
+    )
+
+
+def cosine_lr(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
     """Learning rate of optimizer step `step` (counted from 0).
 
         step < warmup_steps:              lr * (step + 1) / warmup_steps      (linear warmup)

@@ -1,7 +1,7 @@
 """`gptrain train`: the training loop, top to bottom, for one process or many.
 
     gptrain train --config configs/debug.toml                          # one process (CPU or a GPU)
-    gptrain train --config configs/default.toml --train.lr=1e-3        # overrides: --section.key=value
+    gptrain train --config configs/default.toml --optim.lr=1e-3        # overrides: --section.key=value
     gptrain train --config configs/default.toml --dist.nproc_per_node=auto   # one worker per GPU
     torchrun --nproc_per_node=8 -m gptrain train --config configs/gpt2_124m.toml
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
@@ -136,7 +136,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             run_dir,
             tensorboard=cfg.log.tensorboard,
             wandb_project=cfg.log.wandb,
-            config={s: asdict(getattr(cfg, s)) for s in ("model", "train", "data")},
+            config={s: asdict(getattr(cfg, s)) for s in ("model", "train", "optim", "data")},
             resume_step=step if ckpt else None,
         ),
         default=NullLogger(),
@@ -228,13 +228,18 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     tok_per_s = mfu_now = 0.0
     try:
         while step < t.max_steps:
-            lr = lr_at(
-                step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps
-            )
+            lr = lr_at(step, cfg.optim, t.max_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum, grad_norm = train_step(
-                wrapped, model, optimizer, scaler, loader.next_batch, accum, autocast, t.grad_clip
+                wrapped,
+                model,
+                optimizer,
+                scaler,
+                loader.next_batch,
+                accum,
+                autocast,
+                cfg.optim.grad_clip,
             )
             step += 1
             tokens_seen += t.total_batch_size

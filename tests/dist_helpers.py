@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
 # tiny budgets: distributed tests spend their time on start-up and communication, not on eval
 FAST = [
-    "--train.warmup_steps=1",
+    "--optim.warmup_steps=1",
     "--eval.every=0",
     "--eval.sample_every=0",
     "--eval.tokens=512",
@@ -129,7 +129,7 @@ def _setup(overrides: list[str]):
     torch.manual_seed(t.seed)
     model = build_model(cfg, dataset.vocab_size)
     wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=False, param_dtype=torch.float32)
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, device_type="cpu")
+    optimizer = build_optimizer(model, cfg.optim, device_type="cpu")
     accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
     return cfg, info, model, wrapped, optimizer, loader, accum
 
@@ -183,7 +183,7 @@ def worker_comm(overrides: list[str], steps: int, sync_every_micro_step: bool) -
             loader.next_batch,
             accum,
             contextlib.nullcontext(),
-            cfg.train.grad_clip,
+            cfg.optim.grad_clip,
         )
         record["steps"].append(
             {

@@ -19,12 +19,12 @@ def write(tmp_path, text: str) -> str:
 
 
 def test_defaults_file_then_cli_precedence(tmp_path):
-    assert load_config().train.lr == Config().train.lr
-    f = write(tmp_path, "[train]\nlr = 0.5\nseq_len = 32\n[model]\nn_layer = 3\n")
+    assert load_config().optim.lr == Config().optim.lr
+    f = write(tmp_path, "[optim]\nlr = 0.5\n[train]\nseq_len = 32\n[model]\nn_layer = 3\n")
     cfg = load_config(f)
-    assert (cfg.train.lr, cfg.train.seq_len, cfg.model.n_layer) == (0.5, 32, 3)
-    cfg = load_config(f, ["train.lr=0.25", "model.n_layer=5", "train.compile=true"])
-    assert (cfg.train.lr, cfg.train.seq_len, cfg.model.n_layer, cfg.train.compile) == (
+    assert (cfg.optim.lr, cfg.train.seq_len, cfg.model.n_layer) == (0.5, 32, 3)
+    cfg = load_config(f, ["optim.lr=0.25", "model.n_layer=5", "train.compile=true"])
+    assert (cfg.optim.lr, cfg.train.seq_len, cfg.model.n_layer, cfg.train.compile) == (
         0.25,
         32,
         5,
@@ -36,8 +36,8 @@ def test_defaults_file_then_cli_precedence(tmp_path):
 
 
 def test_int_in_file_accepted_for_float_and_sci_notation_on_cli(tmp_path):
-    cfg = load_config(write(tmp_path, "[train]\nlr = 1\n"), ["train.total_batch_size=5.24288e5"])
-    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    cfg = load_config(write(tmp_path, "[optim]\nlr = 1\n"), ["train.total_batch_size=5.24288e5"])
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
     assert cfg.train.total_batch_size == 524288
 
 
@@ -46,19 +46,24 @@ def test_int_in_file_accepted_for_float_and_sci_notation_on_cli(tmp_path):
     [
         ("[train]\nlrr = 1.0\n", [], "train.lrr"),
         ("[trian]\nlr = 1.0\n", [], "trian"),
-        ("[train]\nlr = 'fast'\n", [], "train.lr"),
+        ("[optim]\nlr = 'fast'\n", [], "optim.lr"),
+        ("[train]\nlr = 1e-3\n", [], "moved to the [optim] section: use optim.lr"),
+        ("", ["optim.name=sgd"], "optim.name"),
+        ("", ["optim.lr_schedule=linear"], "optim.lr_schedule"),
+        ("", ["optim.decay_fraction=0"], "optim.decay_fraction"),
+        ("", ["optim.decay_fraction=1.5"], "optim.decay_fraction"),
         ("[train]\ncompile = 1\n", [], "train.compile"),
         ("", ["train.max_steps=ten"], "--train.max_steps='ten'"),
         ("", ["train.max_steps=1.5"], "train.max_steps"),
         ("", ["train.compile=maybe"], "train.compile"),
         ("", ["train.dtype=float64"], "train.dtype"),
-        ("", ["train.min_lr=1", "train.lr=0.1"], "train.min_lr"),
+        ("", ["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr"),
         ("", ["model.n_embd=100", "model.n_head=3"], "model.n_embd"),
-        ("", ["train.warmup_steps=500", "train.max_steps=100"], "train.warmup_steps"),
+        ("", ["optim.warmup_steps=500", "train.max_steps=100"], "optim.warmup_steps"),
         ("", ["dist.mode=tp"], "dist.mode"),
         ("", ["dist.nproc_per_node=many"], "dist.nproc_per_node"),
         ("", ["checkpoint.resume=yesterday"], "checkpoint.resume"),
-        ("", ["train.lr"], "section.key=value"),
+        ("", ["optim.lr"], "section.key=value"),
         ("", ["model.block_size=16", "train.seq_len=64"], "model.block_size"),
     ],
 )
@@ -89,7 +94,7 @@ def test_accumulation_derived_and_error_has_all_numbers():
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
     cfg = load_config(
-        None, ["train.lr=0.01", 'eval.sample_prompt=ROMEO:\\n "quoted"', "run.dir=/tmp/x"]
+        None, ["optim.lr=0.01", 'eval.sample_prompt=ROMEO:\\n "quoted"', "run.dir=/tmp/x"]
     )
     text = to_toml(cfg)
     tomllib.loads(text)  # valid TOML
@@ -117,7 +122,7 @@ def test_cli_bad_input_is_one_line_exit_2(capsys):
 def test_cli_forms_of_overrides():
     from gptrain.config import parse_cli
 
-    argv = ["--config", "c.toml", "--train.lr=0.1", "--train.seq_len", "32", "--train.compile", "--log.every", "-1"]  # fmt: skip
-    assert parse_cli(argv) == ("c.toml", ["train.lr=0.1", "train.seq_len=32", "train.compile=true", "log.every=-1"])  # fmt: skip
+    argv = ["--config", "c.toml", "--optim.lr=0.1", "--train.seq_len", "32", "--train.compile", "--log.every", "-1"]  # fmt: skip
+    assert parse_cli(argv) == ("c.toml", ["optim.lr=0.1", "train.seq_len=32", "train.compile=true", "log.every=-1"])  # fmt: skip
     with pytest.raises(UserError, match="unexpected argument 'stray'"):
         parse_cli(["stray"])

@@ -30,7 +30,7 @@ COMMON = [
     f"--train.max_steps={STEPS}",
     "--train.micro_batch_size=4",
     "--train.total_batch_size=1024",
-    "--train.grad_clip=0.05",
+    "--optim.grad_clip=0.05",
     *h.FAST,
 ]
 TIMEOUT = 120
@@ -298,7 +298,7 @@ def test_bad_input_static_graph_with_accumulation(byte_data, tmp_path):
 
 def test_bad_input_mismatched_configs(byte_data, tmp_path):
     def args(rank):
-        lr = "--train.lr=1e-3" if rank == 0 else "--train.lr=2e-3"  # "node" 1 has another config
+        lr = "--optim.lr=1e-3" if rank == 0 else "--optim.lr=2e-3"  # "node" 1 has another config
         return ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", lr]  # fmt: skip
 
     one_line_errors(h.wait_all(h.spawn(args), TIMEOUT), "config differs between ranks")

@@ -133,7 +133,7 @@ def test_training_can_start_from_an_exported_folder(byte_data, tmp_path, capsys)
     first, second, hf_dir = tmp_path / "first", tmp_path / "second", tmp_path / "hf"
     assert cli(["train", "--config", debug, f"--run.dir={first}", "--train.max_steps=8", *common]) == 0  # fmt: skip
     assert cli(["export", "--run", str(first), "--out", str(hf_dir)]) == 0
-    init = [f"--run.dir={second}", f"--model.init_from={hf_dir}", "--train.max_steps=2", "--train.warmup_steps=1"]  # fmt: skip
+    init = [f"--run.dir={second}", f"--model.init_from={hf_dir}", "--train.max_steps=2", "--optim.warmup_steps=1"]  # fmt: skip
     assert cli(["train", "--config", debug, *init, *common]) == 0
 
     def val_losses(run_dir):

@@ -143,7 +143,7 @@ def test_resumed_run_shows_each_step_once_in_every_logger(byte_data, tmp_path, o
     train()
     first = jsonl(run_dir)
     run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
-    train("--checkpoint.resume=4", "--train.lr=1e-2")
+    train("--checkpoint.resume=4", "--optim.lr=1e-2")
     final = jsonl(run_dir)
 
     assert [r["step"] for r in final] == [r["step"] for r in first] == [0, 2, 4, 6, 8]

@@ -272,6 +272,7 @@ def test_fsdp2_fully_shard_from_outside_matches_plain_model():
     dist = pytest.importorskip("torch.distributed")
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
+    from gptrain.config import OptimConfig
     from gptrain.optim import build_optimizer
 
     if dist.is_initialized():
@@ -287,7 +288,10 @@ def test_fsdp2_fully_shard_from_outside_matches_plain_model():
         fully_shard(sharded)
         register_fsdp_forward_method(sharded, "generate")
         assert sharded.lm_head.weight is sharded.transformer.wte.weight
-        opts = [build_optimizer(m, 1e-2, 0.1, "cpu") for m in (ref, sharded)]
+        opts = [
+            build_optimizer(m, OptimConfig(lr=1e-2, weight_decay=0.1), "cpu")
+            for m in (ref, sharded)
+        ]
         idx = torch.randint(0, 100, (2, 16))
         for _ in range(2):
             losses = []

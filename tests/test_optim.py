@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from gptrain.config import OptimConfig
 from gptrain.model import GPT, GPTConfig
-from gptrain.optim import build_optimizer, lr_at, param_groups
+from gptrain.optim import build_optimizer, cosine_lr, param_groups
 
 
 def _names(model: nn.Module, params: list) -> set[str]:
@@ -49,13 +50,13 @@ def test_decay_groups_are_exactly_matrices(bias):
 
 def test_build_optimizer_settings():
     model = GPT(GPTConfig(vocab_size=100, block_size=8, n_layer=1, n_head=2, n_embd=16))
-    opt = build_optimizer(model, lr=3e-4, weight_decay=0.1, device_type="cpu")
+    opt = build_optimizer(model, OptimConfig(lr=3e-4, weight_decay=0.1), device_type="cpu")
     assert isinstance(opt, torch.optim.AdamW)
     d = opt.defaults
     assert d["betas"] == (0.9, 0.95) and d["eps"] == 1e-8 and d["lr"] == 3e-4
     assert d["foreach"] is True and not d["fused"]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    cuda = build_optimizer(model, lr=3e-4, weight_decay=0.1, device_type="cuda")
+    cuda = build_optimizer(model, OptimConfig(lr=3e-4, weight_decay=0.1), device_type="cuda")
     assert cuda.defaults["fused"] is True and not cuda.defaults["foreach"]
     # one step changes parameters and decays only the matrices when gradients are zero
     for p in model.parameters():
@@ -80,20 +81,20 @@ def _reference_lr(step, lr, min_lr, warmup, max_steps):
 
 def test_lr_schedule_points():
     kw = dict(lr=6e-4, min_lr=6e-5, warmup_steps=10, max_steps=101)
-    assert lr_at(0, **kw) == pytest.approx(6e-5)  # lr / warmup
-    assert lr_at(9, **kw) == pytest.approx(6e-4)  # end of warmup: peak
-    assert lr_at(10, **kw) == pytest.approx(6e-4)  # first cosine step: peak
-    assert lr_at(55, **kw) == pytest.approx((6e-4 + 6e-5) / 2)  # cosine midpoint
-    assert lr_at(100, **kw) == pytest.approx(6e-5)  # max_steps - 1
-    assert lr_at(500, **kw) == pytest.approx(6e-5)  # held
+    assert cosine_lr(0, **kw) == pytest.approx(6e-5)  # lr / warmup
+    assert cosine_lr(9, **kw) == pytest.approx(6e-4)  # end of warmup: peak
+    assert cosine_lr(10, **kw) == pytest.approx(6e-4)  # first cosine step: peak
+    assert cosine_lr(55, **kw) == pytest.approx((6e-4 + 6e-5) / 2)  # cosine midpoint
+    assert cosine_lr(100, **kw) == pytest.approx(6e-5)  # max_steps - 1
+    assert cosine_lr(500, **kw) == pytest.approx(6e-5)  # held
     for step in range(150):
         ref = _reference_lr(step, 6e-4, 6e-5, 10, 101)
-        assert lr_at(step, **kw) == pytest.approx(ref, rel=1e-12), step
+        assert cosine_lr(step, **kw) == pytest.approx(ref, rel=1e-12), step
 
 
 def test_lr_schedule_monotonic():
     kw = dict(lr=1.0, min_lr=0.1, warmup_steps=7, max_steps=60)
-    values = [lr_at(s, **kw) for s in range(80)]
+    values = [cosine_lr(s, **kw) for s in range(80)]
     warm, decay = values[:7], values[6:]
     assert all(a < b for a, b in zip(warm, warm[1:], strict=False))
     assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))
@@ -101,10 +102,10 @@ def test_lr_schedule_monotonic():
 
 
 def test_lr_schedule_without_warmup_and_bad_arguments():
-    assert lr_at(0, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=11) == 1.0
-    assert lr_at(10, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=11) == 0.0
-    assert lr_at(0, lr=1.0, min_lr=0.5, warmup_steps=0, max_steps=1) == 0.5
+    assert cosine_lr(0, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=11) == 1.0
+    assert cosine_lr(10, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=11) == 0.0
+    assert cosine_lr(0, lr=1.0, min_lr=0.5, warmup_steps=0, max_steps=1) == 0.5
     with pytest.raises(ValueError):
-        lr_at(0, lr=1.0, min_lr=0.0, warmup_steps=-1, max_steps=10)
+        cosine_lr(0, lr=1.0, min_lr=0.0, warmup_steps=-1, max_steps=10)
     with pytest.raises(ValueError):
-        lr_at(-1, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10)
+        cosine_lr(-1, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10)

@@ -155,7 +155,7 @@ def test_half_written_checkpoint_is_invisible(byte_data, tmp_path):
         byte_data,
         run_dir,
         "train.max_steps=4",
-        "train.warmup_steps=1",
+        "optim.warmup_steps=1",
         "checkpoint.every=2",
         "eval.every=0",
         "eval.sample_every=0",
@@ -174,7 +174,7 @@ def test_resume_none_refuses_to_overwrite(byte_data, tmp_path, capsys):
         byte_data,
         run_dir,
         "train.max_steps=2",
-        "train.warmup_steps=1",
+        "optim.warmup_steps=1",
         "eval.every=0",
         "eval.sample_every=0",
         "eval.tokens=512",
@@ -229,7 +229,7 @@ def test_bench_reports_tokens_and_mfu(capsys):
 @pytest.mark.slow
 def test_compiled_run_equals_eager_and_saves_plain_keys(byte_data, tmp_path):
     """train.compile=true trains, evaluates and samples; same weights as eager; no _orig_mod."""
-    common = ["train.max_steps=3", "train.warmup_steps=1", "eval.every=0", "eval.tokens=512"]
+    common = ["train.max_steps=3", "optim.warmup_steps=1", "eval.every=0", "eval.tokens=512"]
     common += ["eval.sample_every=0", "eval.sample_tokens=4", "checkpoint.every=0"]
     run(byte_data, tmp_path / "eager", *common)
     run(byte_data, tmp_path / "compiled", "train.compile=true", *common)
@@ -273,7 +273,7 @@ def test_damaged_checkpoint_is_one_line_and_nothing_is_overwritten(
     byte_data, tmp_path, capsys, damaged, how
 ):
     run_dir = tmp_path / "run"
-    run(byte_data, run_dir, "train.max_steps=2", "train.warmup_steps=1", "eval.every=0", "eval.sample_every=0", "eval.tokens=512")  # fmt: skip
+    run(byte_data, run_dir, "train.max_steps=2", "optim.warmup_steps=1", "eval.every=0", "eval.sample_every=0", "eval.tokens=512")  # fmt: skip
     path = checkpoint.find(run_dir) / damaged
     data = bytearray(path.read_bytes())
     if how == "truncated":  # e.g. by a full disk or a bad copy
@@ -282,7 +282,7 @@ def test_damaged_checkpoint_is_one_line_and_nothing_is_overwritten(
         data[len(data) // 2] ^= 0x10
     path.write_bytes(bytes(data))
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    rc = cli(["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--train.max_steps=4", "--train.warmup_steps=1"])  # fmt: skip
+    rc = cli(["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--train.max_steps=4", "--optim.warmup_steps=1"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and damaged in err[0], err
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
@@ -298,7 +298,7 @@ def test_bpe_run_samples_without_its_data_or_tokenizer_file(shakespeare_txt, tmp
     data = tmp_path / "data"
     prepare([str(shakespeare_txt)], data, tokenizer=f"bpe:{tok}", progress=False)
     run_dir = tmp_path / "run"
-    run(data, run_dir, "train.max_steps=2", "train.warmup_steps=1", "eval.every=0", "eval.sample_every=0", "eval.tokens=512")  # fmt: skip
+    run(data, run_dir, "train.max_steps=2", "optim.warmup_steps=1", "eval.every=0", "eval.sample_every=0", "eval.tokens=512")  # fmt: skip
     shutil.rmtree(data)
     tok.unlink()
     capsys.readouterr()
@@ -310,7 +310,7 @@ def test_bpe_run_samples_without_its_data_or_tokenizer_file(shakespeare_txt, tmp
 
 def test_rerunning_a_finished_run_changes_nothing(byte_data, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    args = ["train.max_steps=2", "train.warmup_steps=1", "eval.every=0", "eval.sample_every=0", "eval.tokens=512"]  # fmt: skip
+    args = ["train.max_steps=2", "optim.warmup_steps=1", "eval.every=0", "eval.sample_every=0", "eval.tokens=512"]  # fmt: skip
     run(byte_data, run_dir, *args)
     before = {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
     summary = (run_dir / "summary.json").read_text()
