@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from gptrain import dist
+from gptrain import batch, dist
 from gptrain.build import build_training
-from gptrain.config import accumulation_steps, load_config
+from gptrain.config import load_config
 from gptrain.errors import ArgParser
 from gptrain.metrics import measure_peak_flops, synchronize
 from gptrain.train import train_step
@@ -34,12 +34,9 @@ def bench_one(
     model, wrapped, optimizer, ptdtype, autocast, scaler = build_training(
         cfg, info, vocab, dtype, compile
     )
-    accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
+    mb, accum = batch.resolve(t, info, wrapped, model, autocast, vocab)
     gen = torch.Generator().manual_seed(t.seed + info.rank)
-    batches = [
-        torch.randint(0, vocab, (t.micro_batch_size, t.seq_len + 1), generator=gen)
-        for _ in range(4)
-    ]
+    batches = [torch.randint(0, vocab, (mb, t.seq_len + 1), generator=gen) for _ in range(4)]
     batches = [(b[:, :-1].to(info.device), b[:, 1:].to(info.device)) for b in batches]
     counter = iter(range(10**12))
 
@@ -69,6 +66,7 @@ def bench_one(
         "dtype": key.removeprefix("torch."),
         "compile": compile,
         "world_size": info.world_size,
+        "micro_batch": mb,
         "accum": accum,
         "step_ms": step_s * 1e3,
         "tok_per_s": tok_per_s,
@@ -81,7 +79,17 @@ def bench_one(
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = ["dtype", "compile", "world_size", "accum", "step_ms", "tok_per_s", "peak_tflops", "mfu"]
+    cols = [
+        "dtype",
+        "compile",
+        "world_size",
+        "micro_batch",
+        "accum",
+        "step_ms",
+        "tok_per_s",
+        "peak_tflops",
+        "mfu",
+    ]
     if any("comm_share" in r for r in rows):
         cols.append("comm_share")
     fmt = {

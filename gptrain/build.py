@@ -57,10 +57,10 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
 
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, vocab_size, saved_arch).to(info.device)
-    ptdtype = resolve_dtype(dtype, info.device_type)
+    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
+    ptdtype = resolve_dtype(dtype, info.device_type, fsdp)
     set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
     wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=compile, param_dtype=ptdtype)
     optimizer = build_optimizer(model, cfg.optim, device_type=info.device_type)
-    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
     autocast, scaler = mixed_precision(ptdtype, info.device_type, fsdp)
     return model, wrapped, optimizer, ptdtype, autocast, scaler

@@ -53,7 +53,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    micro_batch_size: int = opt(16, "sequences per forward pass on each process")
+    micro_batch_size: int | str = opt(
+        16,
+        "sequences per forward pass on each process: a whole number, or auto: the largest number <= micro_batch_cap that divides total_batch_size / (seq_len x world size) and, on a GPU, fits in memory (one trial step per candidate, halving on out-of-memory; every rank uses the smallest)",
+    )
+    micro_batch_cap: int = opt(64, "micro_batch_size = auto: the largest micro-batch it may pick")
     seq_len: int = opt(256, "tokens per sequence")
     total_batch_size: int = opt(
         32768, "tokens per optimizer step over all processes and micro-steps"
@@ -61,7 +65,7 @@ class TrainConfig:
     max_steps: int = opt(200, "optimizer steps to train")
     dtype: str = opt(
         "auto",
-        "compute dtype: auto picks bf16 where supported, else float16 on CUDA, else float32",
+        "compute dtype: auto picks bfloat16 where the device computes it natively (GPUs of compute capability >= 8.0, CPUs with AVX512-BF16 or AMX), float16 with a GradScaler on older GPUs (float32 there under dist.mode=fsdp), else float32",
         ("auto", "float32", "bfloat16", "float16"),
     )
     compile: bool = opt(False, "torch.compile the model for training, evaluation and sampling")
@@ -202,8 +206,30 @@ def _field_types(section_cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(section_cls)}
 
 
+INT_OR_AUTO = int | str  # the type of a key that takes a whole number or "auto"
+
+
+def _type_name(typ) -> str:
+    return "int or auto" if typ == INT_OR_AUTO else typ.__name__
+
+
 def _coerce(key: str, value, typ: type, from_cli: bool):
     """Check (file) or parse (CLI string) one value; UserError naming the key when it does not fit."""
+    if typ == INT_OR_AUTO:
+        if value == "auto":
+            return value
+        if from_cli:
+            try:
+                return _coerce(key, value, int, from_cli)
+            except UserError:
+                raise UserError(
+                    f"--{key}={value!r} is not a whole number or auto, e.g. --{key}=16 or --{key}=auto"
+                ) from None
+        if type(value) is not int:
+            raise UserError(
+                f'{key} = {value!r} in the config file must be a whole number or "auto", e.g. {key.rpartition(".")[2]} = 16 or "auto"'
+            )
+        return value
     if from_cli:
         text = value
         try:
@@ -291,8 +317,14 @@ def validate(cfg: Config) -> None:
                 f"{section}.{f.name} = {value!r}; allowed: {', '.join(choices or ())}",
             )
     t, m = cfg.train, cfg.model
-    for key in ("micro_batch_size", "seq_len", "total_batch_size", "max_steps"):
+    for key in ("micro_batch_cap", "seq_len", "total_batch_size", "max_steps"):
         _check(getattr(t, key) >= 1, f"train.{key} = {getattr(t, key)} must be >= 1")
+    mb = t.micro_batch_size
+    _check(mb == "auto" or mb >= 1, f"train.micro_batch_size = {mb} must be >= 1 or auto")
+    _check(
+        not (cfg.dist.mode == "fsdp" and t.dtype == "float16"),
+        "dist.mode = 'fsdp' with train.dtype = 'float16' is not supported (FSDP2 has no sharded float16 gradient scaler); use train.dtype=bfloat16 (GPUs with compute capability >= 8.0), float32, or dist.mode=ddp",
+    )
     o = cfg.optim
     _check(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
     _check(0 <= o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
@@ -396,7 +428,7 @@ def help_text() -> str:
         types = _field_types(type(sec))
         for f in fields(sec):
             out.append(
-                f"  --{section}.{f.name} ({types[f.name].__name__}, default {getattr(sec, f.name)!r})"
+                f"  --{section}.{f.name} ({_type_name(types[f.name])}, default {getattr(sec, f.name)!r})"
             )
             out.append(f"      {f.metadata['help']}")
     return "\n".join(out)

@@ -10,6 +10,11 @@ matmuls), but logits are only returned for the `vocab_size` real tokens. Padded 
 can never be sampled, and a padded id given as a target is out of range for cross-entropy
 (an error, not a silent bug).
 
+The loss never materialises the (B, T, V) float32 logits: `linear_cross_entropy` runs the output
+head and the cross-entropy over chunks of rows, and (when gradients are needed) computes the
+chunk's input and weight gradients right there, so at most one chunk's logits are alive in forward
+and none in backward. Same value and gradients as the plain computation, same FLOPs.
+
 Shapes: B batch, T time (sequence), C n_embd, nh heads, hs head size (C // nh), V vocab_size.
 """
 
@@ -23,6 +28,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+IGNORE_INDEX = -1  # targets with this value are left out of the loss
+
+# Rows per loss chunk = LOSS_CHUNK_ELEMENTS // padded vocab: one chunk's float32 logits are 128 MiB
+# (GPT-2: 667 rows). Large enough to keep matmuls efficient, small next to the activations.
+LOSS_CHUNK_ELEMENTS = 2**25
 
 
 @dataclass
@@ -146,6 +157,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one Parameter, two names
+        self.loss_chunk_rows: int | None = None  # None: LOSS_CHUNK_ELEMENTS // padded vocab
         self.init_weights()
 
     @torch.no_grad()
@@ -163,26 +175,33 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """idx (B, T) int64 -> (logits (B, T, vocab_size) float32, mean cross-entropy or None).
-
-        targets (B, T) int64; positions with target -1 are ignored. Logits and loss are float32
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """idx (B, T) int64 -> (logits (B, T, vocab_size) float32, None) without targets, or
+        (None, mean cross-entropy float32) with targets (B, T) int64 (IGNORE_INDEX positions left
+        out): the loss path never builds the full logits (see linear_cross_entropy). Both float32
         even under autocast.
         """
         x = self._embed(idx, pos=0)  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
+        if targets is not None:
+            rows = max(1, LOSS_CHUNK_ELEMENTS // self.config.padded_vocab_size)
+            loss = linear_cross_entropy(
+                x.reshape(-1, x.size(-1)),  # (B*T, C)
+                self.lm_head.weight,
+                targets.reshape(-1),  # (B*T,)
+                self.config.vocab_size,
+                rows if self.loss_chunk_rows is None else self.loss_chunk_rows,
+            )
+            return None, loss
         logits = self.lm_head(x)  # (B, T, padded V): the matmul runs on the aligned padded size
         if logits.size(-1) != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]  # (B, T, V), padded ids dropped
-        # One float32 copy: the loss needs it anyway, and it is not a view (FSDP2 warns on views).
-        logits = logits.float().contiguous()  # (B, T, V)
-        loss = None
-        if targets is not None:
-            flat = logits.view(-1, logits.size(-1))  # (B*T, V)
-            loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        # A float32 copy, not a view (FSDP2 warns on views).
+        return logits.float().contiguous(), None
 
     def _embed(self, idx: Tensor, pos: int) -> Tensor:
         """Token + position embeddings of idx (B, T) placed at positions pos..pos+T-1."""
@@ -281,3 +300,80 @@ def sample_next(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits, dim=-1)  # (B, V)
     return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def linear_cross_entropy(
+    x: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, chunk_rows: int
+) -> Tensor:
+    """Mean cross-entropy of the logits x @ weight.T (only the first vocab_size columns), in
+    float32, without ever holding more than chunk_rows rows of logits.
+
+    x (N, C), weight (padded V, C), targets (N,) int64 with IGNORE_INDEX for ignored rows. Equal
+    in value and gradients to `F.cross_entropy((x @ weight.T)[:, :vocab_size].float(), targets,
+    ignore_index=-1)` (the matmuls in the same dtype, e.g. bf16 under autocast). With gradients
+    enabled the chunks' gradients are computed in forward (Liger-kernel style), so backward only
+    rescales them: no recomputation, no logits kept for backward.
+    """
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_rows)
+    loss_sum, n_valid, _, _ = _chunked_loss(x, weight, targets, vocab_size, chunk_rows, False)
+    return loss_sum / n_valid
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, targets, vocab_size, chunk_rows):
+        loss_sum, n_valid, grad_x, grad_w = _chunked_loss(
+            x, weight, targets, vocab_size, chunk_rows, True
+        )
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_x, grad_w, n_valid)
+        return loss_sum / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w, n_valid = ctx.saved_tensors  # gradients of the loss SUM
+        scale = grad_loss / n_valid  # d(mean)/d(sum) times the incoming gradient
+        return (
+            (grad_x * scale).to(grad_x.dtype),
+            (grad_w * scale).to(ctx.weight_dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def _chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads):
+    """(sum of the per-row losses, number of counted rows, d sum/dx, d sum/dweight) chunk by chunk.
+
+    The gradients are of the loss SUM (softmax - one-hot, without the 1/N of the mean), so their
+    matmul inputs stay in [-1, 1] and cannot underflow in float16; the caller scales them.
+    """
+    N, padded_vocab = x.size(0), weight.size(0)
+    acc = torch.promote_types(weight.dtype, torch.float32)  # float32 (float64 stays float64)
+    keep_all = targets != IGNORE_INDEX  # (N,)
+    n_valid = keep_all.sum()
+    loss_sum = torch.zeros((), dtype=acc, device=x.device)
+    grad_x = torch.empty_like(x) if with_grads else None  # (N, C)
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=x.device) if with_grads else None
+    for start in range(0, N, chunk_rows):
+        x_c, t_c = (
+            x[start : start + chunk_rows],
+            targets[start : start + chunk_rows],
+        )  # (n, C), (n,)
+        keep = keep_all[start : start + chunk_rows]
+        logits = (x_c @ weight.t()).to(acc)  # (n, padded V)
+        if padded_vocab > vocab_size:
+            logits[:, vocab_size:] = float("-inf")  # padded ids: probability 0
+        safe = torch.where(keep, t_c, 0)  # ignored rows read column 0 (then masked); ids >= V raise
+        lse = torch.logsumexp(logits, dim=1)  # (n,)
+        target_logit = logits[:, :vocab_size].gather(1, safe[:, None]).squeeze(1)  # (n,)
+        loss_sum = loss_sum + torch.where(keep, lse - target_logit, 0.0).sum()
+        if with_grads:
+            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: (n, padded V)
+            grad.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))
+            grad.mul_(keep[:, None])  # ignored rows contribute nothing
+            grad = grad.to(weight.dtype)
+            grad_x[start : start + chunk_rows] = grad @ weight  # (n, C)
+            grad_w += grad.t() @ x_c  # (padded V, C), accumulated in float32
+    return loss_sum, n_valid, grad_x, grad_w

@@ -1,9 +1,12 @@
 """Numeric precision: which dtype a run computes in, and the autocast / GradScaler that go with it.
 
-`train.dtype = auto` picks bf16 where the device has fast bf16 (CUDA with bf16, CPUs with
-AVX512-BF16 or AMX), float16 + GradScaler on GPUs without bf16, else float32. Under FSDP2 the
-MixedPrecisionPolicy casts parameters instead of autocast (see dist.wrap_model). On CUDA, float32
-matmuls use TensorFloat-32 unless `train.tf32 = false`.
+`train.dtype = auto` picks bf16 where the device computes it natively: GPUs of compute capability
+8.0 or newer (Ampere, Hopper, ...; `torch.cuda.is_bf16_supported()` is also True on V100 and T4,
+where bf16 is emulated: slow, and torch.compile skips it), and CPUs with AVX512-BF16 or AMX. Older
+GPUs get float16 with a GradScaler, except under FSDP (no sharded float16 scaler): float32 there.
+Everything else computes in float32. Under FSDP2 the MixedPrecisionPolicy casts parameters
+instead of autocast (see dist.wrap_model). On CUDA, float32 matmuls use TensorFloat-32 unless
+`train.tf32 = false`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ def cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+def cuda_supports_bf16() -> bool:
+    """Native bf16 tensor cores: compute capability >= 8.0 (not merely bf16 that torch emulates)."""
+    return torch.cuda.get_device_capability() >= (8, 0)
+
+
+def resolve_dtype(name: str, device_type: str, fsdp: bool = False) -> torch.dtype:
     """train.dtype (auto | float32 | bfloat16 | float16) → the compute dtype on this device."""
     if name != "auto":
         if name == "float16" and device_type != "cuda":
@@ -36,7 +44,9 @@ def resolve_dtype(name: str, device_type: str) -> torch.dtype:
             )
         return DTYPES[name]
     if device_type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if cuda_supports_bf16():
+            return torch.bfloat16
+        return torch.float32 if fsdp else torch.float16
     return torch.bfloat16 if cpu_supports_bf16() else torch.float32
 
 

@@ -23,9 +23,9 @@ from dataclasses import asdict
 
 import torch
 
-from gptrain import checkpoint, dist, launch
+from gptrain import batch, checkpoint, dist, launch
 from gptrain.build import build_training
-from gptrain.config import Config, accumulation_steps, load_config, parse_cli, to_toml
+from gptrain.config import Config, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
 from gptrain.logs import NullLogger, RunLogger, require_packages
@@ -78,12 +78,8 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     t, run_dir = cfg.train, cfg.run.dir
     dist.check_same_config(to_toml(cfg), info)
     require_packages(cfg.log.tensorboard, cfg.log.wandb)
-    accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
+    mb, accum = batch.plan(t, info.world_size)  # a batch that cannot divide fails here
     dist.check_options(cfg.dist, accum, info)
-    if cfg.dist.mode == "fsdp" and t.dtype == "float16":
-        raise UserError(
-            "dist.mode = 'fsdp' with train.dtype = 'float16' is not supported; use bfloat16 or float32"
-        )
 
     # data: a prepared folder, or a built-in corpus prepared once per machine
     data_dir = dist.local_main_first(
@@ -91,16 +87,6 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     )
     dataset = Dataset(data_dir)
     tokenizer = dataset.tokenizer
-    loader = TrainLoader(
-        dataset,
-        t.seq_len,
-        t.micro_batch_size,
-        info.rank,
-        info.world_size,
-        t.seed,
-        stride=cfg.data.stride or None,
-        device=info.device,
-    )
 
     # resume: from the latest checkpoint of this run directory when there is one
     ckpt = dist.from_main(info, lambda: checkpoint.resume_point(run_dir, cfg.checkpoint.resume))
@@ -115,6 +101,19 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 
     model, wrapped, optimizer, ptdtype, autocast, scaler = build_training(
         cfg, info, dataset.vocab_size, t.dtype, t.compile, saved_arch=saved.get("model")
+    )
+    # micro_batch_size = auto on a GPU: the largest candidate that fits (trial steps)
+    mb, accum = batch.resolve(t, info, wrapped, model, autocast, dataset.vocab_size)
+    dist.check_options(cfg.dist, accum, info)
+    loader = TrainLoader(  # its cursor counts windows, so any micro-batch resumes exactly
+        dataset,
+        t.seq_len,
+        mb,
+        info.rank,
+        info.world_size,
+        t.seed,
+        stride=cfg.data.stride or None,
+        device=info.device,
     )
     byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
     step, tokens_seen, elapsed_before = 0, 0, 0.0
@@ -157,13 +156,14 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             logger.echo = bar.write
     logger.text(
         f"{'resumed from ' + str(ckpt) if ckpt else 'starting'}: {model.num_params():,} parameters, world size {info.world_size}, "
-        f"accumulation {accum}, {t.total_batch_size:,} tokens/step, dtype {str(ptdtype).removeprefix('torch.')}, "
+        f"micro-batch {mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {accum}, {t.total_batch_size:,} tokens/step, dtype {str(ptdtype).removeprefix('torch.')}, "
         f"device {info.device}, measured peak {peak / 1e12:.2f} TFLOP/s"
     )
     meta = {
         "model": asdict(model.config),
         "tokenizer": tokenizer.identity(),
         "data_dir": str(data_dir),
+        "micro_batch_size": mb,
         "config": to_toml(cfg),
     }
 
@@ -186,7 +186,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                 wrapped,
                 dataset,
                 seq_len=t.seq_len,
-                micro_batch_size=t.micro_batch_size,
+                micro_batch_size=mb,
                 eval_tokens=cfg.eval.tokens,
                 info=info,
                 autocast=autocast,
@@ -312,6 +312,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         "tok_per_s": tok_per_s,
         "mfu": mfu_now,
         "world_size": info.world_size,
+        "micro_batch_size": mb,
     }
     if info.is_main:
         from gptrain.plot import plot_run
@@ -338,8 +339,7 @@ def main(argv: list[str]) -> int:
     if "RANK" not in os.environ:  # not under torchrun: maybe launch the workers ourselves
         nproc, nnodes = launch.nproc_for(cfg.dist.nproc_per_node), cfg.dist.nnodes
         if nproc > 1 or nnodes > 1:
-            t = cfg.train  # fail before spawning anything
-            accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, nproc * nnodes)
+            batch.plan(cfg.train, nproc * nnodes)  # fail before spawning anything
             return launch.launch(nproc, argv, cfg.dist)
     info = dist.DistInfo.from_env(cfg.train.device)
     dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)

@@ -37,8 +37,10 @@ def test_shapes_and_loss_matches_reference_cross_entropy():
     idx = torch.randint(0, 100, (3, 16))
     targets = torch.randint(0, 100, (3, 16))
     targets[0, :5] = -1  # ignored positions
-    logits, loss = model(idx, targets)
+    logits, _ = model(idx)
     assert logits.shape == (3, 16, 100) and logits.dtype == torch.float32
+    no_logits, loss = model(idx, targets)  # the loss path never builds the logits
+    assert no_logits is None
     assert model.transformer.wte.weight.shape == (128, 32)  # padded table
     keep = targets != -1
     logp = F.log_softmax(logits.double(), dim=-1)[keep]  # (N, V)
@@ -185,9 +187,11 @@ def _check_compiled(backend: str) -> None:
     model = make()
     compiled = torch.compile(model, backend=backend, fullgraph=True)  # fullgraph: no graph breaks
     idx = torch.randint(0, 100, (2, 16))
-    logits, loss = compiled(idx, idx)
-    ref_logits, ref_loss = model(idx, idx)
+    logits, _ = compiled(idx)
+    ref_logits, _ = model(idx)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    _, loss = compiled(idx, idx)
+    _, ref_loss = model(idx, idx)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     keys = list(model.state_dict())
     assert keys == list(make().state_dict())
@@ -225,7 +229,8 @@ def test_bf16_autocast_loss_is_float32_and_close():
     idx = torch.randint(0, 100, (2, 16))
     _, ref = model(idx, idx)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, loss = model(idx, idx)
+        logits, _ = model(idx)
+        _, loss = model(idx, idx)
     assert loss.dtype == torch.float32 and logits.dtype == torch.float32
     torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
 

@@ -14,10 +14,23 @@ def test_auto_on_cpu_follows_native_bf16(monkeypatch, has_bf16, expected):
     assert resolve_dtype("auto", "cpu") == expected
 
 
-@pytest.mark.parametrize("bf16_gpu, expected", [(True, torch.bfloat16), (False, torch.float16)])
-def test_auto_on_cuda_is_bf16_or_float16(monkeypatch, bf16_gpu, expected):
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_gpu)
+@pytest.mark.parametrize(
+    "capability, expected, expected_fsdp",
+    [
+        ((9, 0), torch.bfloat16, torch.bfloat16),  # H100
+        ((8, 0), torch.bfloat16, torch.bfloat16),  # A100
+        ((7, 5), torch.float16, torch.float32),  # T4: bf16 only emulated
+        ((7, 0), torch.float16, torch.float32),  # V100: bf16 only emulated
+    ],
+)
+def test_auto_on_cuda_is_bf16_only_with_native_support(
+    monkeypatch, capability, expected, expected_fsdp
+):
+    # torch says bf16 is "supported" on V100/T4 too (emulated): auto must not trust that
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
     assert resolve_dtype("auto", "cuda") == expected
+    assert resolve_dtype("auto", "cuda", fsdp=True) == expected_fsdp  # no float16 with FSDP
 
 
 def test_explicit_dtypes_and_float16_needs_cuda():

@@ -1,0 +1,183 @@
+"""Batch geometry: micro_batch_size = N | auto, its config forms and errors, the out-of-memory
+search every rank agrees on, and the trial step leaving training untouched."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from gptrain import batch
+from gptrain.__main__ import main as cli
+from gptrain.config import load_config, to_toml
+from gptrain.dist import DistInfo
+from gptrain.errors import UserError
+from gptrain.model import GPT, GPTConfig
+
+
+def train_cfg(*overrides):
+    return load_config(None, list(overrides)).train
+
+
+def test_auto_in_toml_and_on_the_cli_and_integers_still_work(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[train]\nmicro_batch_size = "auto"\n')
+    assert load_config(str(f)).train.micro_batch_size == "auto"
+    f.write_text("[train]\nmicro_batch_size = 8\n")
+    assert load_config(str(f)).train.micro_batch_size == 8
+    assert train_cfg("train.micro_batch_size=auto").micro_batch_size == "auto"
+    assert train_cfg("train.micro_batch_size=12").micro_batch_size == 12
+    cfg = load_config(None, ["train.micro_batch_size=auto"])
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))  # the saved config round-trips
+    assert load_config(str(again)) == cfg
+
+
+@pytest.mark.parametrize(
+    "text, overrides, needle",
+    [
+        (
+            '[train]\nmicro_batch_size = "big"\n',
+            [],
+            "train.micro_batch_size = 'big' in the config file must be a whole number or \"auto\"",
+        ),  # fmt: skip
+        ("[train]\nmicro_batch_size = 2.5\n", [], "train.micro_batch_size = 2.5"),
+        ("[train]\nmicro_batch_size = true\n", [], "train.micro_batch_size = True"),
+        (
+            "",
+            ["train.micro_batch_size=big"],
+            "--train.micro_batch_size='big' is not a whole number or auto",
+        ),  # fmt: skip
+        ("", ["train.micro_batch_size=0"], "train.micro_batch_size = 0 must be >= 1 or auto"),
+        ("", ["train.micro_batch_cap=0"], "train.micro_batch_cap = 0 must be >= 1"),
+        (
+            "",
+            ["dist.mode=fsdp", "train.dtype=float16"],
+            "dist.mode = 'fsdp' with train.dtype = 'float16'",
+        ),  # fmt: skip
+    ],
+)
+def test_bad_values_name_the_key(tmp_path, text, overrides, needle):
+    path = None
+    if text:
+        path = tmp_path / "c.toml"
+        path.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_config(str(path) if path else None, overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_float16_with_fsdp_is_refused_before_anything_is_written(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["train", "--dist.mode=fsdp", "--train.dtype=float16", f"--run.dir={run_dir}"]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gptrain: error: dist.mode = 'fsdp' with train.dtype = 'float16'")
+    assert "use train.dtype=bfloat16" in err and "\n" not in err
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "total, seq_len, world, cap, expected",
+    [
+        (524288, 1024, 8, 64, [64, 32, 16, 8, 4, 2, 1]),  # GPT-2 124M on 8 GPUs
+        (524288, 1024, 16, 64, [32, 16, 8, 4, 2, 1]),  # 2 nodes x 8
+        (524288, 1024, 32, 64, [16, 8, 4, 2, 1]),  # 4 nodes x 8
+        (16384, 256, 8, 64, [8, 4, 2, 1]),  # default.toml on 8 GPUs
+        (1024 * 48, 1024, 1, 64, [48, 24, 16, 12, 8, 6, 4, 3, 2, 1]),
+        (1024 * 48, 1024, 1, 20, [16, 12, 8, 6, 4, 3, 2, 1]),  # the cap
+    ],
+)
+def test_auto_candidates_are_the_divisors_under_the_cap(total, seq_len, world, cap, expected):
+    t = train_cfg(
+        "train.micro_batch_size=auto",
+        f"train.total_batch_size={total}",
+        f"train.seq_len={seq_len}",
+        f"train.micro_batch_cap={cap}",
+    )
+    assert batch.candidates(t, world) == expected
+    mb, accum = batch.plan(t, world)
+    assert mb == expected[0] and mb * seq_len * world * accum == total
+
+
+def test_plan_errors_name_the_numbers():
+    t = train_cfg("train.micro_batch_size=auto", "train.total_batch_size=1000", "train.seq_len=64")
+    with pytest.raises(UserError, match=r"train.total_batch_size = 1000 .* train.seq_len \(64\)"):
+        batch.plan(t, 2)
+    t = train_cfg("train.micro_batch_size=64", "train.total_batch_size=524288", "train.seq_len=1024")  # fmt: skip
+    assert batch.plan(t, 8) == (64, 1)
+    with pytest.raises(UserError, match=r"train.micro_batch_size \(64\)"):
+        batch.plan(t, 16)  # an explicit number that cannot divide: the existing error
+
+
+def test_fit_halves_to_a_divisor_after_out_of_memory():
+    tried = []
+
+    def fits(mb):
+        tried.append(mb)
+        return mb <= 5
+
+    # 48 fails -> at most 24; 24 -> 12; 12 -> 6; 6 -> 3 fits (4 would too: halving skips it)
+    assert batch.fit([48, 24, 16, 12, 8, 6, 4, 3, 2, 1], fits) == 3
+    assert tried == [48, 24, 12, 6, 3]
+    tried.clear()
+    assert batch.fit([45, 15, 9, 5, 3, 1], fits) == 5  # odd sizes: the largest divisor <= half
+    assert tried == [45, 15, 5]
+    with pytest.raises(UserError, match="not even 1 sequence"):
+        batch.fit([4, 2, 1], lambda mb: False)
+
+
+def test_ranks_agree_on_the_smallest_fitting_size():
+    """Two ranks (threads) with different memory: lockstep trials and a MIN after each; both end
+    with the size that fits on the smaller one, and they try exactly the same sizes."""
+    barrier, flags = threading.Barrier(2), [None, None]
+    results, tried = [None, None], [[], []]
+    limits = [64, 10]  # rank 1 has less memory
+
+    def all_min(rank, flag):
+        flags[rank] = flag
+        barrier.wait()
+        out = min(flags)
+        barrier.wait()
+        return out
+
+    def worker(rank):
+        def fits(mb):
+            tried[rank].append(mb)
+            return mb <= limits[rank]
+
+        results[rank] = batch.fit([64, 32, 16, 8, 4, 2, 1], fits, lambda f: all_min(rank, f))
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    assert results == [8, 8] and tried[0] == tried[1] == [64, 32, 16, 8]
+
+
+def test_trial_step_leaves_weights_grads_and_rng_untouched():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))  # fmt: skip
+    before = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    assert batch.trial_fits(model, model, torch.autocast("cpu", enabled=False), 4, 16, 100, torch.device("cpu"))  # fmt: skip
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_resolve_uses_the_trial_only_for_auto_on_cuda(monkeypatch):
+    t = train_cfg("train.micro_batch_size=auto", "train.total_batch_size=4096", "train.seq_len=64")
+    calls = []
+    monkeypatch.setattr(batch, "trial_fits", lambda w, m, a, mb, *rest: calls.append(mb) or mb <= 16)  # fmt: skip
+    assert batch.resolve(t, DistInfo(), object()) == (64, 1)  # CPU: no memory probe
+    assert calls == []
+    cuda = DistInfo(device="cuda:0")
+    assert batch.resolve(t, cuda, object()) == (16, 4)
+    assert calls == [64, 32, 16]
+    fixed = train_cfg("train.micro_batch_size=32", "train.total_batch_size=4096", "train.seq_len=64")  # fmt: skip
+    assert batch.resolve(fixed, cuda, object()) == (32, 2)  # an explicit number is never probed

@@ -1,0 +1,166 @@
+"""The chunked loss: the same value and gradients as cross-entropy over the full float32 logits,
+without ever holding them (checked by watching every tensor the step creates and saves)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gptrain.model import GPT, GPTConfig, linear_cross_entropy
+
+
+def make(vocab_size: int = 100, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=vocab_size, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    return GPT(cfg)  # vocab 100 -> a padded table of 128 rows
+
+
+def plain_loss(model: GPT, idx, targets):
+    """Today's reference: the full (B, T, V) float32 logits, then F.cross_entropy."""
+    logits, _ = model(idx)  # (B, T, V) float32
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def batch(vocab_size: int = 100, B: int = 3, T: int = 16):
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, vocab_size, (B, T), generator=g)
+    targets = torch.randint(0, vocab_size, (B, T), generator=g)
+    targets[0, :5] = -1  # ignored positions
+    targets[2, -1] = -1
+    return idx, targets
+
+
+def loss_and_grads(model, fn):
+    model.zero_grad(set_to_none=True)
+    loss = fn()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 48, None])  # one row, uneven, one chunk, default
+def test_float32_loss_and_every_gradient_equal_plain_cross_entropy(chunk_rows):
+    model = make()
+    model.loss_chunk_rows = chunk_rows
+    idx, targets = batch()
+    ref_loss, ref = loss_and_grads(model, lambda: plain_loss(model, idx, targets))
+    loss, got = loss_and_grads(model, lambda: model(idx, targets)[1])
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name, g in ref.items():  # incl. the tied wte/lm_head matrix and its padded rows (zero)
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_padded_rows_get_no_head_gradient_and_no_probability():
+    model = make()
+    idx, targets = batch()
+    with torch.no_grad():
+        model.transformer.wte.weight[100:] = 5.0  # padded ids would dominate a softmax over 128
+    model.loss_chunk_rows = 5
+    ref_loss, ref = loss_and_grads(model, lambda: plain_loss(model, idx, targets))
+    loss, got = loss_and_grads(model, lambda: model(idx, targets)[1])
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    w = got["transformer.wte.weight"]
+    torch.testing.assert_close(w, ref["transformer.wte.weight"], rtol=1e-5, atol=1e-7)
+    assert torch.equal(w[100:], torch.zeros_like(w[100:]))
+
+
+def test_bf16_autocast_matches_plain_computation_under_autocast():
+    model = make()
+    model.loss_chunk_rows = 7
+    idx, targets = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref = loss_and_grads(model, lambda: plain_loss(model, idx, targets))
+        loss, got = loss_and_grads(model, lambda: model(idx, targets)[1])
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-3)
+    for name, g in ref.items():
+        scale = g.abs().max().item()
+        torch.testing.assert_close(got[name], g, rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
+def test_no_grad_path_gives_the_same_loss():
+    model = make()
+    idx, targets = batch()
+    _, loss = model(idx, targets)
+    with torch.no_grad():
+        _, loss_eval = model(idx, targets)
+    torch.testing.assert_close(loss_eval, loss.detach(), rtol=0, atol=0)
+
+
+def test_functional_form_matches_cross_entropy_and_scales_incoming_gradient():
+    torch.manual_seed(0)
+    x = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(64, 8, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (10,))
+    t[3] = -1
+    ref = F.cross_entropy((x @ w.t())[:, :50], t, ignore_index=-1)
+    (3.0 * ref).backward()  # a non-unit incoming gradient, like 1/accum or a GradScaler
+    ref_grads = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    loss = linear_cross_entropy(x, w, t, vocab_size=50, chunk_rows=3)
+    (3.0 * loss).backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, ref_grads[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w.grad, ref_grads[1], rtol=1e-12, atol=1e-12)
+
+
+class _Largest(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _step_footprint(model, idx, targets, use_plain: bool) -> tuple[int, int]:
+    """(largest tensor created in forward + backward, largest tensor saved for backward)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with _Largest() as mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = plain_loss(model, idx, targets) if use_plain else model(idx, targets)[1]
+        loss.backward()
+    return mode.largest, max(saved)
+
+
+def test_full_logits_never_exist_only_one_chunk():
+    """B*T = 96 rows, vocab 1000 (padded 1024), width 32, chunks of 8 rows: the full logits have
+    96 x 1000 elements; the chunked step must never create or save anything that large."""
+    model = make(vocab_size=1000)
+    model.loss_chunk_rows = 8
+    B, T = 6, 16
+    idx, targets = batch(vocab_size=1000, B=B, T=T)
+    full_logits = B * T * 1000
+    largest, largest_saved = _step_footprint(model, idx, targets, use_plain=False)
+    allowed = max(8 * 1024, model.lm_head.weight.numel(), B * T * 4 * 32)  # chunk, head, MLP
+    assert largest <= allowed < full_logits, (largest, allowed, full_logits)
+    assert largest_saved < full_logits
+    # the same probe sees the full logits in the plain computation (so it can fail)
+    largest_plain, saved_plain = _step_footprint(copy.deepcopy(model), idx, targets, True)
+    assert largest_plain >= full_logits and saved_plain >= full_logits
+
+
+def test_compiled_loss_and_gradients_match_eager():
+    model = make()
+    model.loss_chunk_rows = 7
+    idx, targets = batch()
+    ref_loss, ref = loss_and_grads(model, lambda: model(idx, targets)[1])
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # no graph breaks
+    loss, got = loss_and_grads(model, lambda: compiled(idx, targets)[1])
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
