@@ -337,20 +337,42 @@ def check_options(cfg_dist: DistConfig, accum: int, info: DistInfo) -> None:
 
 
 def wrap_model(
-    model: nn.Module, cfg: DistConfig, *, info: DistInfo, compile: bool, param_dtype: torch.dtype
+    model: nn.Module,
+    cfg: DistConfig,
+    *,
+    info: DistInfo,
+    compile: bool,
+    param_dtype: torch.dtype,
+    activation_checkpointing: str = "none",
 ) -> nn.Module:
-    """Apply compile and data parallelism from outside the model, always in this order:
+    """Apply activation checkpointing, compile and data parallelism from outside the model, always
+    in this order (torchtitan's; each step wraps what the previous one produced):
 
-    1. torch.compile, in place (`Module.compile()`), so state-dict keys never gain `_orig_mod.`;
-       under FSDP each block is compiled on its own (graph breaks at the shard boundaries are
-       what FSDP2 expects).
-    2. world size 1: nothing more. ddp: DistributedDataParallel (gradient all-reduce overlapping
-       backward). fsdp: FSDP2 `fully_shard` on every transformer block, then on the root, with
-       bf16/fp16 compute and fp32 gradient reduction when param_dtype is not float32.
+    1. activation checkpointing (`blocks`): each transformer block's forward runs under the public
+       `torch.utils.checkpoint.checkpoint` (non-reentrant), so backward recomputes the block instead
+       of keeping its activations. The block's own `forward` is replaced on the instance: no wrapper
+       module, so state-dict keys stay plain (no `_checkpoint_wrapped_module.`).
+    2. torch.compile, in place (`Module.compile()`), so keys never gain `_orig_mod.`. Under FSDP each
+       block is compiled on its own, after checkpointing (the recompute is traced with the block)
+       and before `fully_shard`: FSDP2's hooks are `torch._dynamo.disable`d, so they run eagerly
+       around the compiled block (tested: no recompiles after the first step).
+    3. world size 1: nothing more. ddp: DistributedDataParallel. fsdp: FSDP2 `fully_shard` on every
+       block, then on the root (embeddings, final LayerNorm, tied head). With bf16 the blocks
+       all-gather and compute with bf16 parameters, except their LayerNorms (a float32 group of
+       their own: autocast runs layer_norm in float32, and on the CPU torch refuses bf16
+       LayerNorm parameters with a float32 input); the root keeps float32 parameters; and the
+       caller runs forward under the same autocast as DDP. So the residual stream, LayerNorms,
+       logits and loss stay float32 as under DDP + autocast, and matmuls see the same
+       bf16-rounded weights. Gradients are reduced in float32.
 
+    The model may be on the `meta` device under FSDP (see build.py: `to_empty` + init after this).
     The returned module is what the training loop calls; save the original `model` (its keys are
     the plain ones). The caller builds the optimizer after wrapping (FSDP replaces parameters).
     """
+    blocks = list(model.transformer.h)
+    if activation_checkpointing == "blocks":
+        for block in blocks:
+            checkpoint_forward(block)
     if cfg.mode == "fsdp" and info.world_size > 1:
         try:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -358,15 +380,19 @@ def wrap_model(
             raise UserError(
                 f"dist.mode = 'fsdp' needs torch >= 2.6 (this is {torch.__version__}); upgrade torch or use dist.mode=ddp"
             ) from None
-        mp = MixedPrecisionPolicy(
-            param_dtype=None if param_dtype == torch.float32 else param_dtype,
-            reduce_dtype=torch.float32,
+        low = None if param_dtype == torch.float32 else param_dtype
+        block_mp = MixedPrecisionPolicy(
+            param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
-        for block in model.transformer.h:
+        fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for block in blocks:
             if compile:
                 block.compile()
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            norms = [m for m in block.modules() if isinstance(m, nn.LayerNorm)]
+            if low is not None and norms:  # one small float32 group per block: its LayerNorms
+                fully_shard(norms, mp_policy=fp32)
+            fully_shard(block, mp_policy=block_mp)
+        fully_shard(model, mp_policy=fp32)
         return model
     if compile:
         model.compile()
@@ -382,6 +408,22 @@ def wrap_model(
             static_graph=cfg.static_graph,
         )
     return model
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Activation checkpointing of one module, in place: while gradients are recorded, its forward
+    runs under torch.utils.checkpoint (non-reentrant; RNG state restored for the recompute, so
+    dropout masks match), keeping only its inputs; eval and sampling (no_grad) run it plainly."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
 
 
 def grad_sync(wrapped: nn.Module, sync: bool):

@@ -1,8 +1,8 @@
 """Numeric precision: which dtype a run computes in, and the autocast / GradScaler that go with it.
 
 `train.dtype = auto` picks bf16 where the device has fast bf16 (CUDA with bf16, CPUs with
-AVX512-BF16 or AMX), float16 + GradScaler on GPUs without bf16, else float32. Under FSDP2 the
-MixedPrecisionPolicy casts parameters instead of autocast (see dist.wrap_model). On CUDA, float32
+AVX512-BF16 or AMX), float16 + GradScaler on GPUs without bf16, else float32. FSDP2 runs under the
+same autocast as DDP (its MixedPrecisionPolicy only lowers the blocks' parameters). On CUDA, float32
 matmuls use TensorFloat-32 unless `train.tf32 = false`.
 """
 
@@ -41,11 +41,12 @@ def resolve_dtype(name: str, device_type: str) -> torch.dtype:
 
 
 def mixed_precision(
-    dtype: torch.dtype, device_type: str, fsdp: bool
+    dtype: torch.dtype, device_type: str
 ) -> tuple[AbstractContextManager, torch.amp.GradScaler]:
-    """(autocast context, GradScaler) for a compute dtype. FSDP2 casts parameters itself, so it
-    gets no autocast; the scaler is active only for float16."""
-    use_autocast = dtype != torch.float32 and not fsdp
+    """(autocast context, GradScaler) for a compute dtype, the same for one process, DDP and FSDP2
+    (whose MixedPrecisionPolicy only lowers the blocks' parameters, see dist.wrap_model); the
+    scaler is active only for float16."""
+    use_autocast = dtype != torch.float32
     autocast = torch.autocast(device_type, dtype=dtype) if use_autocast else nullcontext()
     return autocast, torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
 
