@@ -123,7 +123,10 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
         raise UserError(
             f"rank {info.rank}: cannot reach the rendezvous at {addr}:{port} within dist.timeout_s = {timeout_s} s ({why}); check --rdzv_endpoint / MASTER_ADDR:MASTER_PORT, the network, and that the first node is running"
         ) from None
+    store = dist.PrefixStore(attempt_prefix(), store)  # a restarted attempt reads no stale keys
     kwargs = {"device_id": torch.device(info.device)} if backend == "nccl" else {}
+    if backend == "nccl":
+        nccl_error_handling()
     dist.init_process_group(  # with nccl, small CPU-side agreements (flags, hashes) go over gloo
         backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
         store=store,
@@ -132,8 +135,27 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
         timeout=timeout,
         **kwargs,
     )
-    _store = dist.PrefixStore("gptrain/", store)
+    _store = dist.PrefixStore("peers/", store)
     _store_host_is_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def attempt_prefix(env=os.environ) -> str:
+    """The store prefix of this launch attempt. torchrun's agent keeps one store across restarts
+    (--max-restarts; the static rendezvous reuses it), so keys of a failed attempt (rendezvous,
+    NCCL unique ids, our alive/left marks) would still be there: each attempt gets its own
+    namespace, as torch's env:// rendezvous once did with TORCHELASTIC_RESTART_COUNT."""
+    return f"gptrain/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def nccl_error_handling(env=os.environ) -> None:
+    """Make a dead or stuck peer under NCCL end like under gloo: a Python exception within
+    dist.timeout_s (then `failure()` prints one line naming the rank and the peer), not a
+    watchdog SIGABRT. TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): on a time-out the watchdog
+    aborts the NCCL communicators instead of the process; the collective (or the next one) then
+    raises DistBackendError in the training thread. Settings the user made are kept. Blocking wait
+    (TORCH_NCCL_BLOCKING_WAIT) is not used: it would stall the CPU on every FSDP2 all-gather.
+    Not run on a GPU yet (no machine); the choice follows torch's ProcessGroupNCCL.hpp."""
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 @contextlib.contextmanager
@@ -221,7 +243,8 @@ def teardown(wait_for_peers: bool = True, timeout_s: float = 60.0) -> None:
     """Destroy the process group; after a clean run, the rank hosting the rendezvous store (rank 0
     when started without torchrun's agent) leaves last, so no peer loses the store mid-teardown.
     After a failure (wait_for_peers=False) nobody waits for peers that may be gone."""
-    global _store
+    global _store, _io_group
+    _io_group = None
     if not dist.is_initialized():
         return
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -236,6 +259,22 @@ def teardown(wait_for_peers: bool = True, timeout_s: float = 60.0) -> None:
             store.wait([f"left/{r}" for r in range(1, world)])
         else:
             store.set(f"left/{rank}", "1")
+
+
+IO_TIMEOUT_S = 3 * 3600  # collectives around a checkpoint save or load (a slow filesystem)
+_io_group = None
+
+
+def io_group():
+    """A gloo process group for the collectives around checkpoint saves and loads, with its own
+    generous time-out (IO_TIMEOUT_S): writing 19 GB of shards to a slow filesystem must not trip
+    dist.timeout_s. Collective on first use (every rank saves/loads at the same step); None when
+    no process group is running. Gloo carries only small objects (file hashes, DCP plans)."""
+    global _io_group
+    if _io_group is None and active():
+        timeout = datetime.timedelta(seconds=IO_TIMEOUT_S)
+        _io_group = dist.new_group(backend="gloo", timeout=timeout)
+    return _io_group
 
 
 def active() -> bool:

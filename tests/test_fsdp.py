@@ -116,3 +116,90 @@ def test_fsdp_bf16_matches_ddp_autocast(fsdp_runs):
     )
     # and bf16 really was on: the float32 FSDP2 run differs by more than the float32 noise
     assert max(abs(a - b) for a, b in zip(r["fsdp"]["losses"], ddp["losses"], strict=True)) > 1e-5
+
+
+@pytest.fixture(scope="module")
+def dcp_run(byte_data, tmp_path_factory):
+    """A 2-rank FSDP2 run (dropout on) with sharded checkpoints at steps 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("dcp") / "run"
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--dist.mode=fsdp", "--train.max_steps=4", "--checkpoint.every=2", "--model.dropout=0.1", "--train.micro_batch_size=4", *h.FAST]  # fmt: skip
+    h.check_ok(h.wait_all(h.spawn(args), 300))
+    return run_dir
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "gptrain", *args], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_layout_and_export_sample(dcp_run, tmp_path):
+    from gptrain import checkpoint, sharded
+    from gptrain.hf import load_hf_folder
+
+    folder = checkpoint.find(dcp_run)
+    meta = checkpoint.load_meta(folder)
+    names = {p.name for p in folder.iterdir()}
+    assert meta["format"] == "dcp" and "model.safetensors" not in names
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"} <= names
+    assert names - {"meta.json"} == set(meta["files"])  # every file recorded (size + sha256)
+    full = sharded.load_full_model_state(folder, meta)
+    assert full["lm_head.weight"] is full["transformer.wte.weight"]
+    shard_bytes = [meta["files"][f"__{r}_0.distcp"]["bytes"] for r in (0, 1)]
+    model_bytes = sum(v.numel() * 4 for k, v in full.items() if k != "lm_head.weight")
+    assert sum(shard_bytes) > 3 * model_bytes  # weights + 2 AdamW moments, all stored
+    assert max(shard_bytes) < 0.6 * sum(shard_bytes)  # each rank wrote about half
+    done = _cli("sample", "--run", str(dcp_run), "--max-new-tokens", "8", "--device", "cpu")
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-2000:]
+    done = _cli("export", "--run", str(dcp_run), "--out", str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported = load_hf_folder(tmp_path / "hf").state_dict()
+    for k in ("transformer.h.1.attn.c_attn.weight", "transformer.wpe.weight", "transformer.ln_f.bias"):  # fmt: skip
+        assert torch.equal(exported[k], full[k]), k
+
+
+@pytest.mark.slow
+def test_damaged_shard_is_refused_before_anything_is_read(dcp_run, tmp_path):
+    import shutil
+
+    from gptrain import checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(dcp_run, run)
+    shard = checkpoint.find(run) / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    config = run / "config.toml"
+    for args in (
+        ["train", "--config", str(config), f"--run.dir={run}", "--train.max_steps=6"],
+        ["sample", "--run", str(run), "--device", "cpu"],
+    ):
+        done = _cli(*args)
+        assert done.returncode == 2, done.stderr[-2000:]
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "__1_0.distcp is damaged" in lines[0], done.stderr[-2000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_nccl_errors_surface_as_exceptions_and_user_settings_win():
+    env = {}
+    dist.nccl_error_handling(env)
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # abort communicators, not the process
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    dist.nccl_error_handling(env)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert dist.attempt_prefix({"TORCHELASTIC_RESTART_COUNT": "2"}) != dist.attempt_prefix({})
+
+
+@pytest.mark.slow
+def test_restarted_attempt_sees_no_keys_of_the_failed_one():
+    """torchrun --max-restarts=1 reuses its store; without the attempt prefix attempt 1 reads
+    attempt 0's keys (checked by hand: stale=True), with it none."""
+    proc = h.torchrun(["--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.5"], ["tests/restart_worker.py"])  # fmt: skip
+    ((rc, out, err),) = h.wait_all([proc], 200)
+    assert rc == 0, err[-3000:]
+    assert sorted(out.split("\n"))[-2:] == ["rank 0 attempt 1 stale=False", "rank 1 attempt 1 stale=False"]  # fmt: skip
