@@ -77,7 +77,7 @@ def save(
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = step_dir_name(step)
-    final, tmp = root / name, root / f".tmp-{name}"
+    tmp = root / f".tmp-{name}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -105,6 +105,13 @@ def save(
     files = {f.name: _file_record(f) for f in sorted(tmp.iterdir())}  # what meta.json vouches for
     meta_text = json.dumps({"step": step, **meta, "files": files}, indent=2) + "\n"
     _fsync_write(tmp / "meta.json", meta_text.encode())
+    return publish(root, name, tmp)
+
+
+def publish(root: Path, name: str, tmp: Path) -> Path:
+    """Rename the complete folder `tmp` to root/name and point `latest` at it (also used by
+    sharded.py for DCP checkpoints)."""
+    final = root / name
     old = root / f".old-{name}"
     if final.exists():  # re-saving a step (a run resumed from an earlier step): two quick renames
         if old.exists():
@@ -120,7 +127,8 @@ def save(
 
 
 def _complete(path: Path) -> bool:
-    return (path / "meta.json").is_file() and (path / "model.safetensors").is_file()
+    weights = ("model.safetensors", ".metadata")  # a full checkpoint, or DCP shards (sharded.py)
+    return (path / "meta.json").is_file() and any((path / w).is_file() for w in weights)
 
 
 def latest(run_dir: str | Path) -> Path | None:
@@ -207,6 +215,10 @@ def load_model_state(ckpt_dir: str | Path, device: str = "cpu") -> tuple[dict, d
     """(model state dict, meta) of a checkpoint folder, its weights file verified first."""
     path = Path(ckpt_dir) / "model.safetensors"
     meta = load_meta(ckpt_dir)
+    if meta.get("format") == "dcp":  # sharded (an FSDP2 run): gathered into one full state dict
+        from gptrain.sharded import load_full_model_state
+
+        return load_full_model_state(ckpt_dir, meta, device), meta
     verify_file(path, meta)
     try:
         state = load_file(str(path), device=device)

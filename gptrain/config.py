@@ -69,6 +69,11 @@ class TrainConfig:
         ("auto", "float32", "bfloat16", "float16"),
     )
     compile: bool = opt(False, "torch.compile the model for training, evaluation and sampling")
+    activation_checkpointing: str = opt(
+        "none",
+        "none, or blocks: recompute each transformer block in backward instead of keeping its activations (less memory, ~1/3 more compute)",
+        ("none", "blocks"),
+    )
     tf32: bool = opt(
         True,
         "on CUDA, float32 matmuls may use TensorFloat-32 (Ampere and newer): much faster, ~3 significant digits; MFU's measured peak uses the same setting",

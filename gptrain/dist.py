@@ -123,7 +123,10 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
         raise UserError(
             f"rank {info.rank}: cannot reach the rendezvous at {addr}:{port} within dist.timeout_s = {timeout_s} s ({why}); check --rdzv_endpoint / MASTER_ADDR:MASTER_PORT, the network, and that the first node is running"
         ) from None
+    store = dist.PrefixStore(attempt_prefix(), store)  # a restarted attempt reads no stale keys
     kwargs = {"device_id": torch.device(info.device)} if backend == "nccl" else {}
+    if backend == "nccl":
+        nccl_error_handling()
     dist.init_process_group(  # with nccl, small CPU-side agreements (flags, hashes) go over gloo
         backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
         store=store,
@@ -132,8 +135,27 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
         timeout=timeout,
         **kwargs,
     )
-    _store = dist.PrefixStore("gptrain/", store)
+    _store = dist.PrefixStore("peers/", store)
     _store_host_is_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def attempt_prefix(env=os.environ) -> str:
+    """The store prefix of this launch attempt. torchrun's agent keeps one store across restarts
+    (--max-restarts; the static rendezvous reuses it), so keys of a failed attempt (rendezvous,
+    NCCL unique ids, our alive/left marks) would still be there: each attempt gets its own
+    namespace, as torch's env:// rendezvous once did with TORCHELASTIC_RESTART_COUNT."""
+    return f"gptrain/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def nccl_error_handling(env=os.environ) -> None:
+    """Make a dead or stuck peer under NCCL end like under gloo: a Python exception within
+    dist.timeout_s (then `failure()` prints one line naming the rank and the peer), not a
+    watchdog SIGABRT. TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): on a time-out the watchdog
+    aborts the NCCL communicators instead of the process; the collective (or the next one) then
+    raises DistBackendError in the training thread. Settings the user made are kept. Blocking wait
+    (TORCH_NCCL_BLOCKING_WAIT) is not used: it would stall the CPU on every FSDP2 all-gather.
+    Not run on a GPU yet (no machine); the choice follows torch's ProcessGroupNCCL.hpp."""
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 @contextlib.contextmanager
@@ -221,7 +243,8 @@ def teardown(wait_for_peers: bool = True, timeout_s: float = 60.0) -> None:
     """Destroy the process group; after a clean run, the rank hosting the rendezvous store (rank 0
     when started without torchrun's agent) leaves last, so no peer loses the store mid-teardown.
     After a failure (wait_for_peers=False) nobody waits for peers that may be gone."""
-    global _store
+    global _store, _io_group
+    _io_group = None
     if not dist.is_initialized():
         return
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -236,6 +259,22 @@ def teardown(wait_for_peers: bool = True, timeout_s: float = 60.0) -> None:
             store.wait([f"left/{r}" for r in range(1, world)])
         else:
             store.set(f"left/{rank}", "1")
+
+
+IO_TIMEOUT_S = 3 * 3600  # collectives around a checkpoint save or load (a slow filesystem)
+_io_group = None
+
+
+def io_group():
+    """A gloo process group for the collectives around checkpoint saves and loads, with its own
+    generous time-out (IO_TIMEOUT_S): writing 19 GB of shards to a slow filesystem must not trip
+    dist.timeout_s. Collective on first use (every rank saves/loads at the same step); None when
+    no process group is running. Gloo carries only small objects (file hashes, DCP plans)."""
+    global _io_group
+    if _io_group is None and active():
+        timeout = datetime.timedelta(seconds=IO_TIMEOUT_S)
+        _io_group = dist.new_group(backend="gloo", timeout=timeout)
+    return _io_group
 
 
 def active() -> bool:
@@ -337,20 +376,42 @@ def check_options(cfg_dist: DistConfig, accum: int, info: DistInfo) -> None:
 
 
 def wrap_model(
-    model: nn.Module, cfg: DistConfig, *, info: DistInfo, compile: bool, param_dtype: torch.dtype
+    model: nn.Module,
+    cfg: DistConfig,
+    *,
+    info: DistInfo,
+    compile: bool,
+    param_dtype: torch.dtype,
+    activation_checkpointing: str = "none",
 ) -> nn.Module:
-    """Apply compile and data parallelism from outside the model, always in this order:
+    """Apply activation checkpointing, compile and data parallelism from outside the model, always
+    in this order (torchtitan's; each step wraps what the previous one produced):
 
-    1. torch.compile, in place (`Module.compile()`), so state-dict keys never gain `_orig_mod.`;
-       under FSDP each block is compiled on its own (graph breaks at the shard boundaries are
-       what FSDP2 expects).
-    2. world size 1: nothing more. ddp: DistributedDataParallel (gradient all-reduce overlapping
-       backward). fsdp: FSDP2 `fully_shard` on every transformer block, then on the root, with
-       bf16/fp16 compute and fp32 gradient reduction when param_dtype is not float32.
+    1. activation checkpointing (`blocks`): each transformer block's forward runs under the public
+       `torch.utils.checkpoint.checkpoint` (non-reentrant), so backward recomputes the block instead
+       of keeping its activations. The block's own `forward` is replaced on the instance: no wrapper
+       module, so state-dict keys stay plain (no `_checkpoint_wrapped_module.`).
+    2. torch.compile, in place (`Module.compile()`), so keys never gain `_orig_mod.`. Under FSDP each
+       block is compiled on its own, after checkpointing (the recompute is traced with the block)
+       and before `fully_shard`: FSDP2's hooks are `torch._dynamo.disable`d, so they run eagerly
+       around the compiled block (tested: no recompiles after the first step).
+    3. world size 1: nothing more. ddp: DistributedDataParallel. fsdp: FSDP2 `fully_shard` on every
+       block, then on the root (embeddings, final LayerNorm, tied head). With bf16 the blocks
+       all-gather and compute with bf16 parameters, except their LayerNorms (a float32 group of
+       their own: autocast runs layer_norm in float32, and on the CPU torch refuses bf16
+       LayerNorm parameters with a float32 input); the root keeps float32 parameters; and the
+       caller runs forward under the same autocast as DDP. So the residual stream, LayerNorms,
+       logits and loss stay float32 as under DDP + autocast, and matmuls see the same
+       bf16-rounded weights. Gradients are reduced in float32.
 
+    The model may be on the `meta` device under FSDP (see build.py: `to_empty` + init after this).
     The returned module is what the training loop calls; save the original `model` (its keys are
     the plain ones). The caller builds the optimizer after wrapping (FSDP replaces parameters).
     """
+    blocks = list(model.transformer.h)
+    if activation_checkpointing == "blocks":
+        for block in blocks:
+            checkpoint_forward(block)
     if cfg.mode == "fsdp" and info.world_size > 1:
         try:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -358,15 +419,19 @@ def wrap_model(
             raise UserError(
                 f"dist.mode = 'fsdp' needs torch >= 2.6 (this is {torch.__version__}); upgrade torch or use dist.mode=ddp"
             ) from None
-        mp = MixedPrecisionPolicy(
-            param_dtype=None if param_dtype == torch.float32 else param_dtype,
-            reduce_dtype=torch.float32,
+        low = None if param_dtype == torch.float32 else param_dtype
+        block_mp = MixedPrecisionPolicy(
+            param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
-        for block in model.transformer.h:
+        fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for block in blocks:
             if compile:
                 block.compile()
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            norms = [m for m in block.modules() if isinstance(m, nn.LayerNorm)]
+            if low is not None and norms:  # one small float32 group per block: its LayerNorms
+                fully_shard(norms, mp_policy=fp32)
+            fully_shard(block, mp_policy=block_mp)
+        fully_shard(model, mp_policy=fp32)
         return model
     if compile:
         model.compile()
@@ -382,6 +447,22 @@ def wrap_model(
             static_graph=cfg.static_graph,
         )
     return model
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Activation checkpointing of one module, in place: while gradients are recorded, its forward
+    runs under torch.utils.checkpoint (non-reentrant; RNG state restored for the recompute, so
+    dropout masks match), keeping only its inputs; eval and sampling (no_grad) run it plainly."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
 
 
 def grad_sync(wrapped: nn.Module, sync: bool):

@@ -4,9 +4,9 @@
 8.0 or newer (Ampere, Hopper, ...; `torch.cuda.is_bf16_supported()` is also True on V100 and T4,
 where bf16 is emulated: slow, and torch.compile skips it), and CPUs with AVX512-BF16 or AMX. Older
 GPUs get float16 with a GradScaler, except under FSDP (no sharded float16 scaler): float32 there.
-Everything else computes in float32. Under FSDP2 the MixedPrecisionPolicy casts parameters
-instead of autocast (see dist.wrap_model). On CUDA, float32 matmuls use TensorFloat-32 unless
-`train.tf32 = false`.
+Everything else computes in float32. FSDP2 runs under the same autocast as DDP (its
+MixedPrecisionPolicy only lowers the blocks' parameters, see dist.wrap_model). On CUDA, float32
+matmuls use TensorFloat-32 unless `train.tf32 = false`.
 """
 
 from __future__ import annotations
@@ -51,11 +51,12 @@ def resolve_dtype(name: str, device_type: str, fsdp: bool = False) -> torch.dtyp
 
 
 def mixed_precision(
-    dtype: torch.dtype, device_type: str, fsdp: bool
+    dtype: torch.dtype, device_type: str
 ) -> tuple[AbstractContextManager, torch.amp.GradScaler]:
-    """(autocast context, GradScaler) for a compute dtype. FSDP2 casts parameters itself, so it
-    gets no autocast; the scaler is active only for float16."""
-    use_autocast = dtype != torch.float32 and not fsdp
+    """(autocast context, GradScaler) for a compute dtype, the same for one process, DDP and FSDP2
+    (whose MixedPrecisionPolicy only lowers the blocks' parameters, see dist.wrap_model); the
+    scaler is active only for float16."""
+    use_autocast = dtype != torch.float32
     autocast = torch.autocast(device_type, dtype=dtype) if use_autocast else nullcontext()
     return autocast, torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
 

@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 import torch
 
-from gptrain import batch, checkpoint, dist, launch
+from gptrain import batch, checkpoint, dist, launch, sharded
 from gptrain.build import build_training
 from gptrain.config import Config, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
@@ -118,7 +118,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
     step, tokens_seen, elapsed_before = 0, 0, 0.0
     if ckpt is not None:
-        ts = checkpoint.restore_training(ckpt, model, optimizer, loader, info)
+        ts = sharded.restore_training(ckpt, saved, model, optimizer, loader, info)
         step, tokens_seen, elapsed_before = ts["step"], ts["tokens"], ts.get("elapsed_s", 0.0)
         if ts.get("world_size") != info.world_size:
             torch.manual_seed(t.seed + 1000 * info.rank + step)
@@ -174,7 +174,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             "tokens": tokens_seen,
             "elapsed_s": elapsed_before + time.perf_counter() - t_start,
         }
-        path = checkpoint.save_training(
+        path = sharded.save_training(  # DCP shards under FSDP2, else a full checkpoint
             run_dir, step, model, optimizer, loader, state, meta_now, info
         )
         logger.text(f"step {step}: checkpoint {path}")

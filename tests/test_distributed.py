@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from test_train import comparable
 
-from gptrain import checkpoint
+from gptrain import checkpoint, sharded
 from gptrain.config import load_config
 from gptrain.dist import DistInfo, cpu_cores
 from gptrain.train import train
@@ -43,6 +43,11 @@ def gptrain_args(byte_data, run_dir, *extra):
 def metrics(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def weights(run_dir):
+    """The latest checkpoint's full model state (tied alias included), full or sharded (DCP)."""
+    return checkpoint.load_model_state(checkpoint.find(run_dir))[0]
 
 
 def assert_same_weights(a, b, what):
@@ -99,12 +104,18 @@ def runs(byte_data, tmp_path_factory):
 
 def test_ddp_fsdp_multinode_equal_single_process(runs):
     """1 x accumulation 4 == 2 DDP x 2 == 2 FSDP2 x 2 == 2 nodes x 1 x 2, in float32 after 5 steps."""
-    single = load_file(str(checkpoint.find(runs["single"]) / "model.safetensors"))
+    single = weights(runs["single"])
     for name in ("ddp", "fsdp", "multinode", "multinode_cli"):
-        other = load_file(str(checkpoint.find(runs[name]) / "model.safetensors"))
-        assert checkpoint.load_meta(checkpoint.find(runs[name]))["step"] == STEPS
-        assert single.keys() == other.keys(), name  # the tied lm_head is stored once, also by FSDP
-        assert "lm_head.weight" not in other
+        other = weights(runs[name])
+        meta = checkpoint.load_meta(checkpoint.find(runs[name]))
+        assert meta["step"] == STEPS
+        assert single.keys() == other.keys(), name
+        if meta.get("format") == "dcp":  # FSDP2: sharded; the tied lm_head is stored once
+            assert meta["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+        else:
+            assert "lm_head.weight" not in load_file(
+                str(checkpoint.find(runs[name]) / "model.safetensors")
+            )
         assert_same_weights(single, other, f"1 process vs {name}")
     torch.manual_seed(1337)  # training really moved the weights
     cfg = load_config(h.DEBUG)
@@ -142,8 +153,8 @@ def test_only_rank0_writes_and_prints(runs):
 
 
 def test_fsdp_checkpoint_resumes_exactly(runs, tmp_path):
-    """An FSDP2 run cut after its step-3 checkpoint and resumed (2 ranks, FSDP2 again) ends with
-    the uninterrupted run's weights and optimizer state."""
+    """An FSDP2 run cut after its step-3 checkpoint (sharded, DCP) and resumed (2 ranks, FSDP2
+    again) ends with the uninterrupted run's weights and optimizer state, bit for bit."""
     full, cut = runs["fsdp"], tmp_path / "cut"
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "checkpoints" / f"step_{STEPS:08d}")
@@ -153,16 +164,16 @@ def test_fsdp_checkpoint_resumes_exactly(runs, tmp_path):
     results = h.wait_all(procs, TIMEOUT)
     h.check_ok(results)
     assert "resumed from" in results[0][1] and "step_00000003" in results[0][1]
-    a = load_file(str(checkpoint.find(full) / "model.safetensors"))
-    b = load_file(str(checkpoint.find(cut) / "model.safetensors"))
+    a, b = weights(full), weights(cut)
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-7, msg=k)
+        assert torch.equal(b[k], a[k]), k
     sa, sb = (checkpoint.load_state(checkpoint.find(r)) for r in (full, cut))
     assert sa["data"] == sb["data"] and sa["train_state"]["step"] == sb["train_state"]["step"]
-    for k, v in sa["optimizer"]["state"].items():
-        for name, t in v.items():
-            torch.testing.assert_close(sb["optimizer"]["state"][k][name], t, rtol=1e-6, atol=1e-7)
+    oa, ob = (sharded.load_full(checkpoint.find(r), checkpoint.load_meta(checkpoint.find(r)), "optim.") for r in (full, cut))  # fmt: skip
+    assert oa.keys() == ob.keys() and len(oa) > 0
+    for k, t in oa.items():
+        assert torch.equal(ob[k], t), k
 
 
 def test_resume_needs_the_run_directory_on_rank_0_only(runs, byte_data, tmp_path):
@@ -348,8 +359,7 @@ def test_fsdp_bf16_mixed_precision_under_torchrun(runs, byte_data, tmp_path):
     args = gptrain_args(byte_data, run_dir, "--dist.mode=fsdp", "--train.dtype=bfloat16")
     proc = h.torchrun(["--standalone", "--nproc_per_node=2"], args)
     h.check_ok(h.wait_all([proc], TIMEOUT))
-    weights = load_file(str(checkpoint.find(run_dir) / "model.safetensors"))
-    assert {v.dtype for v in weights.values()} == {torch.float32}
+    assert {v.dtype for v in weights(run_dir).values()} == {torch.float32}
     for a, b in zip(metrics(runs["single"]), metrics(run_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), a["step"]
 

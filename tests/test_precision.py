@@ -43,14 +43,11 @@ def test_explicit_dtypes_and_float16_needs_cuda():
 def test_autocast_and_scaler_per_dtype():
     x = torch.randn(4, 8)
     w = torch.randn(8, 8)
-    autocast, scaler = mixed_precision(torch.bfloat16, "cpu", fsdp=False)
+    autocast, scaler = mixed_precision(torch.bfloat16, "cpu")
     with autocast:
         assert (x @ w).dtype == torch.bfloat16
     assert not scaler.is_enabled()
-    autocast, scaler = mixed_precision(torch.float32, "cpu", fsdp=False)
-    with autocast:
-        assert (x @ w).dtype == torch.float32
-    autocast, _ = mixed_precision(torch.bfloat16, "cpu", fsdp=True)  # FSDP2 casts parameters itself
+    autocast, scaler = mixed_precision(torch.float32, "cpu")
     with autocast:
         assert (x @ w).dtype == torch.float32
 

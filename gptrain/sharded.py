@@ -1,0 +1,242 @@
+"""Sharded checkpoints for FSDP2 runs, through torch.distributed.checkpoint (DCP).
+
+Each rank writes its own shards of the model and optimizer: no rank gathers the full state (19 GB
+for GPT-2 XL with AdamW), and no rank waits in a collective bounded by dist.timeout_s while another
+writes (the collectives here use dist.io_group(), with its own generous time-out). Layout:
+
+    step_00000100/
+      .metadata          DCP's index of every tensor's chunks (written by rank 0)
+      __0_0.distcp ...   rank r's tensor shards (`__{r}_*.distcp`)
+      state.pt           {optimizer param_groups, data cursor, train_state incl. every rank's RNG}
+      meta.json          as for full checkpoints, plus "format": "dcp"; size + sha256 of every
+                         file, each rank hashing the shards it wrote
+      tokenizer.json     only for a trained BPE tokenizer
+
+Atomic like checkpoint.save: everything goes into `.tmp-step_...`; after every rank has written and
+hashed its files, rank 0 writes meta.json and renames the folder into place (checkpoint.publish).
+Needs a filesystem that every rank sees (a shared one on several nodes), as DCP does.
+
+Loading works on any world size, one process without a process group included (DCP reshards):
+every file is checked against meta.json BEFORE anything is read (the ranks split the hashing), and
+only tensors are stored in DCP files, so DCP unpickles nothing but its `.metadata` index (see
+README: its hash is checked first). `gptrain export` / `sample` read the full model through
+`load_full_model_state` on one process.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+
+from gptrain import checkpoint
+from gptrain import dist as gdist
+from gptrain.errors import UserError
+
+FORMAT = "dcp"
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when the model's parameters are FSDP2 DTensors (save through DCP)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def save_training(run_dir, step, model, optimizer, loader, train_state, meta, info):
+    """Collective: a checkpoint of every stateful part; sharded (DCP) for an FSDP2 model, else
+    checkpoint.save_training's full checkpoint. Returns the folder on the main process."""
+    if not is_sharded(model):
+        return checkpoint.save_training(
+            run_dir, step, model, optimizer, loader, train_state, meta, info
+        )
+    import torch.distributed.checkpoint as dcp
+
+    group = gdist.io_group()
+    root = Path(run_dir) / "checkpoints"
+    name = checkpoint.step_dir_name(step)
+    tmp = root / f".tmp-{name}"
+    if info.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier(group)
+    tensors, others = _state(model, optimizer)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
+    records = {  # each rank hashes the shards it wrote
+        p.name: checkpoint._file_record(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))
+    }
+    rng = checkpoint._rng_state(info.device)
+    gathered = [None] * info.world_size
+    tdist.all_gather_object(gathered, (records, rng), group=group)
+    path = None
+    if info.is_main:
+        state = {
+            "optimizer": others,
+            "data": loader.state_dict(),
+            "train_state": {
+                **train_state,
+                "world_size": info.world_size,
+                "rng": [g[1] for g in gathered],
+            },
+        }
+        torch.save(state, tmp / "state.pt")
+        checkpoint._fsync_file(tmp / "state.pt")
+        tok_file = meta.get("tokenizer", {}).get("path")
+        if tok_file and Path(tok_file).is_file():
+            checkpoint._fsync_write(tmp / checkpoint.TOKENIZER_FILE, Path(tok_file).read_bytes())
+        files = {n: r for g in gathered for n, r in g[0].items()}
+        for f in sorted(tmp.iterdir()):  # .metadata, state.pt, tokenizer.json: rank 0's own
+            if f.name not in files:
+                files[f.name] = checkpoint._file_record(f)
+        tied = checkpoint.shared_parameters(model)
+        meta_all = {"step": step, **meta, "format": FORMAT, "tied": tied, "files": files}
+        checkpoint._fsync_write(tmp / "meta.json", (_json(meta_all) + "\n").encode())
+        path = checkpoint.publish(root, name, tmp)
+    _barrier(group)
+    return path
+
+
+def restore_training(ckpt_dir, meta: dict, model, optimizer, loader, info) -> dict:
+    """Collective: load any checkpoint into (possibly wrapped) parts; a DCP one is resharded onto
+    this world size, a full one goes through checkpoint.restore_training. Returns train_state."""
+    if meta.get("format") != FORMAT:
+        return checkpoint.restore_training(ckpt_dir, model, optimizer, loader, info)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    group = gdist.io_group()
+    verify(ckpt_dir, meta, info, group)
+    state = gdist.on_main(info, lambda: checkpoint.load_state(ckpt_dir))
+    state = gdist.broadcast_from_main(state)
+    tensors, _ = _state(model, optimizer)
+    _load(ckpt_dir, tensors, group, no_dist=not gdist.active())
+    aliases = checkpoint.shared_parameters(model)
+    model_state = {**tensors["model"], **{a: tensors["model"][s] for a, s in aliases.items()}}
+    opts = StateDictOptions(strict=True)
+    set_model_state_dict(model, model_state, options=opts)
+    optim_state = {
+        "state": _merge(tensors["optim"], state["optimizer"]["state"]),
+        "param_groups": state["optimizer"]["param_groups"],
+    }
+    set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+    loader.load_state_dict(state["data"])
+    ts = state["train_state"]
+    if ts.get("world_size") == info.world_size:
+        checkpoint._set_rng_state(ts["rng"][info.rank], info.device)
+    return ts
+
+
+def load_full_model_state(ckpt_dir, meta: dict, device: str = "cpu") -> dict:
+    """The full (unsharded) model state dict of a DCP checkpoint, read on this one process
+    (`gptrain export` / `sample`), every file checked first; tied aliases included."""
+    model = load_full(ckpt_dir, meta, "model.", device)
+    for alias, source in meta.get("tied", {}).items():
+        model[alias] = model[source]
+    return model
+
+
+def load_full(ckpt_dir, meta: dict, prefix: str, device: str = "cpu") -> dict:
+    """{key without prefix: full tensor} of the DCP entries under `prefix` ("model." or "optim.",
+    whose keys are "FQN.exp_avg" and so on), read on this one process after verify()."""
+    import torch.distributed.checkpoint as dcp
+
+    verify(ckpt_dir, meta, gdist.DistInfo(), None)
+    try:
+        index = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise UserError(
+            f"cannot read checkpoint index {Path(ckpt_dir) / '.metadata'}: {e}"
+        ) from None
+    flat = {
+        k: torch.empty(m.size, dtype=m.properties.dtype, device=device)
+        for k, m in index.items()
+        if k.startswith(prefix) and hasattr(m, "size")
+    }
+    _load(ckpt_dir, flat, None, no_dist=True)
+    return {k.removeprefix(prefix): v for k, v in flat.items()}
+
+
+def verify(ckpt_dir, meta: dict, info, group) -> None:
+    """Every file meta.json records has its recorded size and sha256, checked before any is read;
+    the ranks share the hashing (file i on rank i % world size), a failure stops every rank."""
+    names = sorted(meta.get("files", {}))
+    if ".metadata" not in names:
+        raise UserError(
+            f"checkpoint {ckpt_dir}: meta.json records no DCP index (.metadata); restore the folder or resume from another step"
+        )
+    error = ""
+    for name in names[info.rank :: max(info.world_size, 1)]:
+        try:
+            checkpoint.verify_file(Path(ckpt_dir) / name, meta)
+        except UserError as e:
+            error = str(e)
+            break
+    failed = torch.tensor([1.0 if error else 0.0])
+    if group is not None:
+        tdist.all_reduce(failed, group=group)
+    if failed.item():
+        raise UserError(error or "a checkpoint file is damaged (see another rank's message)")
+
+
+def _state(model, optimizer) -> tuple[dict, dict]:
+    """({"model": sharded tensors, "optim": optimizer tensors}, optimizer's other entries): only
+    tensors go to DCP files; tied aliases are stored once (under their first name)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model_state = get_model_state_dict(model)
+    for alias in checkpoint.shared_parameters(model):
+        model_state.pop(alias, None)
+    optim = get_optimizer_state_dict(model, optimizer)  # initialises an empty state (load target)
+    tensors, others = {}, {}
+    for fqn, entry in optim["state"].items():
+        tensors[fqn] = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        others[fqn] = {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
+    return {"model": model_state, "optim": tensors}, {
+        "state": others,
+        "param_groups": optim["param_groups"],
+    }
+
+
+def _merge(tensors: dict, others: dict) -> dict:
+    return {fqn: {**others.get(fqn, {}), **entry} for fqn, entry in tensors.items()}
+
+
+def _load(ckpt_dir, tensors: dict, group, no_dist: bool = False) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                tensors,
+                storage_reader=dcp.FileSystemReader(ckpt_dir),
+                process_group=group,
+                no_dist=no_dist,
+            )
+    except Exception as e:  # DCP wraps rank failures in CheckpointException
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"checkpoint {ckpt_dir} does not fit this model ({first}); use the same [model] config it was trained with"
+        ) from None
+
+
+def _barrier(group) -> None:
+    if group is not None:
+        tdist.barrier(group=group)
+
+
+def _json(obj) -> str:
+    import json
+
+    return json.dumps(obj, indent=2)

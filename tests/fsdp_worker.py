@@ -1,0 +1,110 @@
+"""Worker for tests/test_fsdp.py, run as one process per rank (gloo, RANK/WORLD_SIZE set by
+dist_helpers.spawn): `python tests/fsdp_worker.py OUT_FILE DATA_DIR`.
+
+It builds each variant with gptrain's own build_training (meta-device build, wrap_model order,
+mixed precision) in one process group and records per step the loss averaged over ranks:
+
+- init: the sharded init gathered to a full state dict equals build_model's single-process init;
+- fsdp / fsdp_compile_ac: float32 FSDP2 without, and with per-block compile + activation
+  checkpointing; "STEP n" markers on stderr let the test find recompiles after the first step;
+- ddp_bf16 / fsdp_bf16: bf16 under DDP + autocast and under FSDP2 + MixedPrecisionPolicy, with
+  the dtype of the residual stream (block 0's output) and of the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = str(REPO / "configs" / "debug.toml")
+STEPS = 3
+
+
+def variant(data_dir: str, steps: int, *overrides: str, marker: str = "") -> dict:
+    from gptrain import dist
+    from gptrain.build import build_training
+    from gptrain.config import accumulation_steps, load_config
+    from gptrain.loader import Dataset, TrainLoader
+    from gptrain.train import train_step
+
+    cfg = load_config(
+        DEBUG,
+        [f"data.dir={data_dir}", "train.micro_batch_size=4", "optim.warmup_steps=1", *overrides],
+    )
+    info = dist.DistInfo.from_env("cpu")
+    t = cfg.train
+    dataset = Dataset(cfg.data.dir)
+    loader = TrainLoader(dataset, t.seq_len, t.micro_batch_size, info.rank, info.world_size, t.seed)
+    model, wrapped, optimizer, ptdtype, autocast, scaler = build_training(
+        cfg, info, dataset.vocab_size, t.dtype, t.compile
+    )
+    seen = {}
+
+    def residual_dtype(module, args, out) -> None:
+        seen.setdefault("residual", str(out.dtype))
+
+    model.transformer.h[0].register_forward_hook(residual_dtype)
+    accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
+    losses = []
+    for step in range(steps):
+        loss, _ = train_step(
+            wrapped, model, optimizer, scaler, loader.next_batch, accum, autocast, 1.0
+        )
+        seen.setdefault("loss", str(loss.dtype))
+        losses.append(dist.all_reduce_mean(loss.float()).item())
+        if marker:
+            print(f"{marker} STEP {step + 1} done", file=sys.stderr, flush=True)
+    return {"losses": losses, **seen}
+
+
+def init_matches_single_process(data_dir: str) -> dict:
+    """Full state dict of the sharded (meta-built) model vs the single-process build_model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from gptrain import dist
+    from gptrain.build import build_model, build_training
+    from gptrain.config import load_config
+
+    cfg = load_config(DEBUG, [f"data.dir={data_dir}", "dist.mode=fsdp", "model.n_layer=3"])
+    info = dist.DistInfo.from_env("cpu")
+    model, *_ = build_training(cfg, info, 257, "float32", False)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    local = sum(p.to_local().numel() for p in model.parameters())
+    torch.manual_seed(cfg.train.seed)
+    ref = build_model(cfg, 257)
+    return {
+        "tied": model.lm_head.weight is model.transformer.wte.weight,
+        "keys_equal": sorted(full) == sorted(ref.state_dict()),
+        "differ": [k for k, v in ref.state_dict().items() if not torch.equal(v, full[k])],
+        "local_fraction": local / ref.num_params(non_embedding=False),
+    }
+
+
+def main(out_file: str, data_dir: str) -> None:
+    from gptrain import dist
+
+    info = dist.DistInfo.from_env("cpu")
+    dist.init(info, "gloo", 120)
+    result = {"init": init_matches_single_process(data_dir)}
+    result["fsdp"] = variant(data_dir, STEPS, "dist.mode=fsdp")
+    result["fsdp_compile_ac"] = variant(
+        data_dir,
+        STEPS,
+        "dist.mode=fsdp",
+        "train.compile=true",
+        "train.activation_checkpointing=blocks",
+        marker="GPTRAIN-TEST",
+    )
+    result["ddp_bf16"] = variant(data_dir, STEPS, "dist.mode=ddp", "train.dtype=bfloat16")
+    result["fsdp_bf16"] = variant(data_dir, STEPS, "dist.mode=fsdp", "train.dtype=bfloat16")
+    dist.teardown()
+    Path(f"{out_file}.{os.environ['RANK']}").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
