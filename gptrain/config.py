@@ -347,6 +347,17 @@ def validate(cfg: Config) -> None:
     _check(o.eps > 0, f"optim.eps = {o.eps} must be > 0")
     _check(o.muon_lr > 0, f"optim.muon_lr = {o.muon_lr} must be > 0")
     _check(o.muon_ns_steps >= 1, f"optim.muon_ns_steps = {o.muon_ns_steps} must be >= 1")
+    if o.name == "muon":
+        import torch
+
+        _check(
+            hasattr(torch.optim, "Muon"),
+            f"optim.name = 'muon' needs torch >= 2.9 (torch.optim.Muon); this is torch {torch.__version__}: upgrade torch or use optim.name = 'adamw'",
+        )
+        _check(
+            cfg.dist.mode != "fsdp",
+            "optim.name = 'muon' with dist.mode = 'fsdp' is not supported (Muon would orthogonalise each rank's shard, not the whole matrix); use dist.mode = 'ddp' or optim.name = 'adamw'",
+        )
     _check(o.grad_clip >= 0, f"optim.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
     _check(0 <= m.dropout < 1, f"model.dropout = {m.dropout} must be in [0, 1)")
     _check(

@@ -72,7 +72,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     """Run one training job; returns the summary dict (also written to run.dir/summary.json)."""
     from gptrain.corpora import resolve_data_dir
     from gptrain.loader import Dataset, TrainLoader
-    from gptrain.optim import lr_at
+    from gptrain.optim import lr_at, set_lr
     from gptrain.sample import generate_text
 
     t, run_dir = cfg.train, cfg.run.dir
@@ -229,8 +229,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     try:
         while step < t.max_steps:
             lr = lr_at(step, cfg.optim, t.max_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr, cfg.optim)
             loss_sum, grad_norm = train_step(
                 wrapped,
                 model,

@@ -218,10 +218,44 @@ def test_checkpoint_resumes_on_another_world_size(runs, tmp_path):
     assert metrics(cut)[-1]["loss"] == pytest.approx(metrics(runs["single"])[-1]["loss"], rel=1e-5)
 
 
-def run_comm_worker(byte_data, tmp_path, mode, accum_micro=2, steps=3):
+def test_muon_ddp_equals_single_process_and_resumes_on_one(byte_data, tmp_path):
+    """optim.name = muon (Muon for the block matrices, AdamW for the rest), wsd schedule:
+    2 DDP ranks x accumulation 2 == 1 process x accumulation 4, and the DDP run's step-3
+    checkpoint resumed by one process == the 1-process run.
+
+    Compared through the losses, not the weights: torch's Muon orthogonalises in bfloat16, so the
+    ~1e-7 rounding differences between summation orders flip bf16 roundings that Newton-Schulz
+    amplifies in the near-null directions of the updates (weights then differ by up to ~1e-2 in
+    attention's c_attn, directions the loss barely sees). The losses agree to ~1e-5 relative
+    while they fall by ~5% a step; a DDP that left any gradient unsynchronised would not."""
+    muon = ["--optim.name=muon", "--optim.lr_schedule=wsd", "--optim.decay_fraction=0.4", "--checkpoint.every=3"]  # fmt: skip
+    cfg = load_config(h.DEBUG, [a[2:] for a in gptrain_args(byte_data, tmp_path / "single", *muon)[5:]])  # fmt: skip
+    train(cfg, DistInfo())
+    procs = h.spawn(gptrain_args(byte_data, tmp_path / "ddp", "--dist.mode=ddp", *muon))
+    h.check_ok(h.wait_all(procs, TIMEOUT))
+    state = checkpoint.load_state(checkpoint.find(tmp_path / "ddp"))
+    assert "momentum_buffer" in state["optimizer"]["state"]["transformer.h.1.attn.c_proj.weight"]
+    cut = tmp_path / "to_one"
+    shutil.copytree(tmp_path / "ddp", cut)
+    shutil.rmtree(cut / "checkpoints" / f"step_{STEPS:08d}")
+    (cut / "checkpoints" / "latest").write_text("step_00000003\n")
+    train(load_config(str(cut / "config.toml"), [f"run.dir={cut}"]), DistInfo())
+    ref = metrics(tmp_path / "single")
+    assert ref[0]["loss"] - ref[-1]["loss"] > 0.5  # it trained
+    for name in ("ddp", "to_one"):
+        rows = metrics(tmp_path / name)
+        assert [r["step"] for r in rows] == [r["step"] for r in ref] == [1, 2, 3, 4, 5]
+        for a, b in zip(ref, rows, strict=True):
+            assert b["lr"] == a["lr"], (name, a["step"])
+            assert b["loss"] == pytest.approx(a["loss"], rel=3e-5), (name, a["step"])
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (name, a["step"])
+        assert rows[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=3e-5), name
+
+
+def run_comm_worker(byte_data, tmp_path, mode, accum_micro=2, steps=3, extra=()):
     out = tmp_path / f"comm-{mode}"
     # micro-batch 2 of 64 tokens x 2 ranks x 4 micro-steps = 1024 tokens
-    overrides = [f"--data.dir={byte_data}", "--train.micro_batch_size=2", "--train.total_batch_size=1024"]  # fmt: skip
+    overrides = [f"--data.dir={byte_data}", "--train.micro_batch_size=2", "--train.total_batch_size=1024", *extra]  # fmt: skip
     procs = h.spawn([str(h.REPO / "tests" / "dist_helpers.py"), "comm", str(out), str(steps), mode, *overrides])  # fmt: skip
     h.check_ok(h.wait_all(procs, TIMEOUT))
     return [json.loads((tmp_path / f"comm-{mode}.{r}").read_text()) for r in range(2)]
@@ -241,6 +275,13 @@ def test_gradients_all_reduced_once_per_step_and_ranks_stay_identical(byte_data,
             assert step["checksums"][0] == step["checksums"][1]  # identical after every step
         assert rec["steps"][0]["checksums"] != rec["steps"][-1]["checksums"]  # and they moved
         assert control[rank]["steps"][0]["elements"] == rec["accum"] * rec["params"]
+    # Muon: the same one all-reduce per step, and every rank orthogonalises the same gradients
+    (tmp_path / "muon").mkdir()
+    muon = run_comm_worker(byte_data, tmp_path / "muon", "once", extra=["--optim.name=muon"])
+    for step in muon[0]["steps"]:
+        assert step["elements"] == muon[0]["params"]
+        assert step["checksums"][0] == step["checksums"][1]
+    assert muon[0]["steps"][-1]["checksums"] != once[0]["steps"][-1]["checksums"]  # not AdamW
 
 
 def test_identical_init_and_rank_specific_dropout(byte_data, tmp_path):

@@ -1,7 +1,9 @@
-"""Weight-decay groups, AdamW construction and the warmup + cosine schedule."""
+"""Weight-decay groups, AdamW and Muon + AdamW construction, and the cosine and wsd schedules."""
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 
 import pytest
@@ -9,8 +11,18 @@ import torch
 import torch.nn as nn
 
 from gptrain.config import OptimConfig
+from gptrain.errors import UserError
 from gptrain.model import GPT, GPTConfig
-from gptrain.optim import build_optimizer, cosine_lr, param_groups
+from gptrain.optim import (
+    MuonAdamW,
+    build_optimizer,
+    cosine_lr,
+    lr_at,
+    muon_split,
+    param_groups,
+    set_lr,
+    wsd_lr,
+)
 
 
 def _names(model: nn.Module, params: list) -> set[str]:
@@ -109,3 +121,166 @@ def test_lr_schedule_without_warmup_and_bad_arguments():
         cosine_lr(0, lr=1.0, min_lr=0.0, warmup_steps=-1, max_steps=10)
     with pytest.raises(ValueError):
         cosine_lr(-1, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10)
+
+
+def test_wsd_schedule_breakpoints():
+    # 100 steps, warmup 10, decay over the last 20: stable on steps 10..79, decay on 80..99
+    kw = dict(lr=1e-2, min_lr=1e-3, warmup_steps=10, max_steps=100, decay_fraction=0.2)
+    assert wsd_lr(0, **kw) == pytest.approx(1e-3)  # lr / warmup
+    assert wsd_lr(9, **kw) == 1e-2  # last warmup step: peak
+    assert wsd_lr(10, **kw) == 1e-2 and wsd_lr(79, **kw) == 1e-2  # stable, to the last step
+    assert wsd_lr(80, **kw) == pytest.approx(1e-2 - 9e-3 / 20)  # first decay step
+    assert wsd_lr(89, **kw) == pytest.approx((1e-2 + 1e-3) / 2)  # decay midpoint
+    assert wsd_lr(99, **kw) == 1e-3 and wsd_lr(500, **kw) == 1e-3  # last step, then held
+    decay = [wsd_lr(s, **kw) for s in range(79, 100)]
+    steps = [a - b for a, b in zip(decay, decay[1:], strict=False)]
+    assert all(d == pytest.approx(9e-3 / 20, rel=1e-9) for d in steps)  # linear
+    # lr_at dispatches on the config
+    cfg = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=10, lr_schedule="wsd", decay_fraction=0.2)
+    assert [lr_at(s, cfg, 100) for s in range(120)] == [wsd_lr(s, **kw) for s in range(120)]
+    cos = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=10)
+    assert lr_at(50, cos, 100) == cosine_lr(
+        50, lr=1e-2, min_lr=1e-3, warmup_steps=10, max_steps=100
+    )
+
+
+def test_wsd_edge_cases():
+    # decay_fraction = 1: linear decay straight after warmup (it never eats into the warmup)
+    kw = dict(lr=1.0, min_lr=0.0, warmup_steps=4, max_steps=14)
+    assert wsd_lr(3, decay_fraction=1.0, **kw) == 1.0
+    assert [wsd_lr(s, decay_fraction=1.0, **kw) for s in range(4, 14)] == pytest.approx(
+        [1 - (s - 3) / 10 for s in range(4, 14)]
+    )
+    # a tiny fraction still decays over one step, the last one
+    assert (
+        wsd_lr(12, decay_fraction=1e-6, **kw) == 1.0
+        and wsd_lr(13, decay_fraction=1e-6, **kw) == 0.0
+    )
+    assert wsd_lr(0, lr=1.0, min_lr=0.5, warmup_steps=0, max_steps=1, decay_fraction=0.5) == 0.5
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError):
+            wsd_lr(0, decay_fraction=bad, **kw)
+
+
+def _model(seed=0, **kw):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=100, block_size=8, n_layer=2, n_head=2, n_embd=16, **kw))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_muon_split_is_exactly_the_block_matrices(bias):
+    model = _model(bias=bias)
+    muon, (decay, no_decay) = muon_split(model, weight_decay=0.1)
+    want_muon = {
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    }
+    assert _names(model, muon) == want_muon
+    assert _names(model, decay["params"]) == {"transformer.wte.weight", "transformer.wpe.weight"}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 1 for p in no_decay["params"])  # biases and LayerNorms
+    everything = muon + decay["params"] + no_decay["params"]
+    assert len(everything) == len({id(p) for p in everything}) == len(list(model.parameters()))
+    assert model.lm_head.weight is model.transformer.wte.weight  # the tied head: with AdamW
+
+
+def _grads(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def test_muon_adamw_steps_like_the_two_torch_optimizers():
+    """One MuonAdamW step == torch.optim.Muon on the block matrices + torch.optim.AdamW on the
+    rest, with the schedule's lr set through set_lr (Muon's lr scaled by the same fraction)."""
+    cfg = OptimConfig(name="muon", lr=1e-3, muon_lr=0.05, weight_decay=0.1, muon_momentum=0.9)
+    a, b = _model(), _model()
+    opt = build_optimizer(a, cfg, "cpu")
+    assert isinstance(opt, MuonAdamW) and not isinstance(opt, torch.optim.AdamW)
+    muon_b, groups_b = muon_split(b, 0.1)
+    ref_muon = torch.optim.Muon(muon_b, lr=0.05, weight_decay=0.1, momentum=0.9, adjust_lr_fn="original")  # fmt: skip
+    ref_adamw = torch.optim.AdamW(groups_b, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    for step in range(3):
+        scale = 0.5 if step == 2 else 1.0
+        set_lr(opt, 1e-3 * scale, cfg)
+        for g in ref_muon.param_groups:
+            g["lr"] = 0.05 * scale
+        for g in ref_adamw.param_groups:
+            g["lr"] = 1e-3 * scale
+        _grads(a, step), _grads(b, step)
+        opt.step()
+        ref_muon.step(), ref_adamw.step()
+        opt.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in a.parameters())
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), n
+    assert [g["lr"] for g in opt.param_groups] == [0.025, 5e-4, 5e-4]
+    assert opt.muon.defaults["adjust_lr_fn"] == "original"  # lr * sqrt(max(1, rows / cols))
+
+
+def test_muon_adamw_state_dict_round_trip_and_exact_continuation():
+    """Save after 3 steps (through torch.distributed.checkpoint.state_dict, as checkpoint.py does,
+    and torch.save), load into a fresh model + optimizer: the next 3 steps are bit-identical."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    cfg = OptimConfig(name="muon", weight_decay=0.1)
+    model = _model()
+    opt = build_optimizer(model, cfg, "cpu")
+    x = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(1))
+
+    def step(m, o):
+        _, loss = m(x, x)
+        loss.backward()
+        o.step()
+        o.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step(model, opt)
+    saved = get_optimizer_state_dict(model, opt)
+    assert "transformer.h.0.mlp.c_fc.weight" in saved["state"]  # keys are parameter names
+    assert set(saved["state"]["transformer.h.0.mlp.c_fc.weight"]) == {"momentum_buffer"}
+    assert set(saved["state"]["transformer.wte.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    buf = io.BytesIO()
+    torch.save(saved, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+
+    model2 = copy.deepcopy(model)
+    opt2 = build_optimizer(model2, cfg, "cpu")
+    set_optimizer_state_dict(model2, opt2, loaded)
+    # the inner optimizers follow the loaded groups and state
+    assert opt2.muon.param_groups[0] is opt2.param_groups[0] and opt2.adamw.state is opt2.state
+    assert opt2.muon.state is opt2.state and len(opt2.state) == len(list(model.parameters()))
+    for _ in range(3):
+        step(model, opt)
+        step(model2, opt2)
+    for (n, pa), pb in zip(model.named_parameters(), model2.parameters(), strict=True):
+        assert torch.equal(pa, pb), n
+    sa, sb = opt.state_dict(), opt2.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for k, v in sa["state"].items():
+        for name, t in v.items():
+            assert torch.equal(t, sb["state"][k][name]), (k, name)
+
+
+def test_set_lr_adamw_groups():
+    cfg = OptimConfig(lr=1e-3)
+    opt = build_optimizer(_model(), cfg, "cpu")
+    set_lr(opt, 2e-4, cfg)
+    assert [g["lr"] for g in opt.param_groups] == [2e-4, 2e-4]
+
+
+def test_muon_refused_under_fsdp_and_on_old_torch(monkeypatch):
+    from gptrain.config import load_config
+
+    with pytest.raises(UserError, match="optim.name = 'muon' with dist.mode = 'fsdp'"):
+        load_config(None, ["optim.name=muon", "dist.mode=fsdp"])
+    load_config(None, ["optim.name=muon"])  # fine on this torch
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(UserError, match=r"optim.name = 'muon' needs torch >= 2.9"):
+        load_config(None, ["optim.name=muon"])
+    load_config(None, ["optim.name=adamw"])

@@ -130,22 +130,32 @@ def test_accumulation_splits_are_equivalent(byte_data, tmp_path):
     assert max((init[k] - runs[16][k]).abs().max().item() for k in init) > 1e-3
 
 
-def test_resume_equals_uninterrupted_run_bit_for_bit(byte_data, tmp_path):
-    """Dropout on (RNG matters): stop after step 6, resume to 12 == straight to 12."""
+@pytest.mark.parametrize(
+    "every, optim",
+    [
+        (6, []),
+        # Muon + AdamW, wsd: the resumed part crosses the decay start (step 6 of 12)
+        (4, ["optim.name=muon", "optim.lr_schedule=wsd", "optim.decay_fraction=0.5"]),
+    ],
+)
+def test_resume_equals_uninterrupted_run_bit_for_bit(byte_data, tmp_path, every, optim):
+    """Dropout on (RNG matters): stop after step `every`, resume to 12 == straight to 12."""
     common = [
         "train.max_steps=12",
-        "checkpoint.every=6",
-        "eval.every=6",
+        f"checkpoint.every={every}",
+        f"eval.every={every}",
         "eval.sample_every=0",
         "model.dropout=0.1",
         "eval.tokens=1024",
+        *optim,
     ]
     full, cut = tmp_path / "full", tmp_path / "cut"
     run(byte_data, full, *common)
     shutil.copytree(full, cut)
-    # the crash: step 12 never happened for `cut`
-    shutil.rmtree(cut / "checkpoints" / "step_00000012")
-    (cut / "checkpoints" / "latest").write_text("step_00000006\n")
+    # the crash: nothing after step `every` happened for `cut`
+    for later in range(2 * every, 13, every):
+        shutil.rmtree(cut / "checkpoints" / f"step_{later:08d}")
+    (cut / "checkpoints" / "latest").write_text(f"step_{every:08d}\n")
     summary = run(byte_data, cut, *common)
     assert summary["steps"] == 12
     a, b = weights(full), weights(cut)
@@ -158,6 +168,11 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(byte_data, tmp_path):
     for k, v in sa["optimizer"]["state"].items():
         for name, t in v.items():
             assert torch.equal(t, sb["optimizer"]["state"][k][name]), (k, name)
+    muon = "momentum_buffer" in sa["optimizer"]["state"]["transformer.h.0.mlp.c_fc.weight"]
+    assert muon == bool(optim)
+    rows = [json.loads(r) for r in (cut / "metrics.jsonl").read_text().splitlines()]
+    full_rows = [json.loads(r) for r in (full / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("lr") for r in rows] == [r.get("lr") for r in full_rows]
 
 
 def test_half_written_checkpoint_is_invisible(byte_data, tmp_path):
