@@ -11,7 +11,7 @@
   exact), nothing waits for the device; other optimizers (foreach AdamW, Muon) are stepped only
   after a host-side check (free on a CPU; one sync per step on a GPU). Counters live on the
   device and are read on the loop's sync points (logging, saving, stopping), where the policy
-  (train.nonfinite) is applied.
+  (train.nonfinite) is applied; `roll_back` is the rollback policy's phase.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from gptrain import dist
+from gptrain import checkpoint, dist, retention
 
 
 class Preemption:
@@ -125,3 +125,24 @@ class NonFinite:
 
     def set_count(self, n: int) -> None:
         self.skipped.fill_(n)
+
+
+def roll_back(bad_step, step, run_dir, model, optimizer, loader, info, windows_per_step, nonfinite, logger) -> tuple[int, int]:  # fmt: skip
+    """train.nonfinite = rollback (collective): reload the newest valid checkpoint and move the data
+    cursor past the batch of `bad_step` (the steps since the checkpoint are trained again on the
+    data that follows it). Returns the checkpoint's (step, tokens)."""
+    cursor = loader.state_dict()["windows_consumed"] - (step - bad_step) * windows_per_step
+    ckpt, _ = dist.from_main(info, lambda: retention.resume_point(run_dir, "auto"))
+    if ckpt is None:
+        raise NonFiniteStop(
+            f"step {bad_step}: the loss or gradient norm is not finite and train.nonfinite = rollback, but there is no checkpoint to roll back to yet; "
+            "lower train.lr or save earlier (checkpoint.every)"
+        )
+    ts = checkpoint.restore_training(ckpt, model, optimizer, loader, info)
+    nonfinite.set_count(ts.get("skipped", 0))
+    loader.load_state_dict({**loader.state_dict(), "windows_consumed": cursor})
+    logger.rewind(ts["step"])  # the steps after the checkpoint are logged again
+    logger.text(
+        f"step {bad_step}: non-finite loss or gradient norm; rolled back to {ckpt.name}, data cursor moved past step {bad_step}'s batch"
+    )
+    return ts["step"], ts["tokens"]

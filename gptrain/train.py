@@ -32,7 +32,7 @@ from gptrain.build import build_training
 from gptrain.config import Config, accumulation_steps, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
-from gptrain.guard import NonFinite, NonFiniteStop, Preemption
+from gptrain.guard import NonFinite, NonFiniteStop, Preemption, roll_back
 from gptrain.logs import NullLogger, RunLogger, require_packages
 from gptrain.metrics import format_duration, measure_peak_flops, mfu, synchronize
 
@@ -77,27 +77,6 @@ def train_step(
         guard.step(optimizer, scaler, grad_norm, step)
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
-
-
-def roll_back(bad_step, step, run_dir, model, optimizer, loader, info, windows_per_step, nonfinite, logger) -> tuple[int, int]:  # fmt: skip
-    """train.nonfinite = rollback (collective): reload the newest valid checkpoint and move the data
-    cursor past the batch of `bad_step` (the steps since the checkpoint are trained again on the
-    data that follows it). Returns the checkpoint's (step, tokens)."""
-    cursor = loader.state_dict()["windows_consumed"] - (step - bad_step) * windows_per_step
-    ckpt, _ = dist.from_main(info, lambda: retention.resume_point(run_dir, "auto"))
-    if ckpt is None:
-        raise NonFiniteStop(
-            f"step {bad_step}: the loss or gradient norm is not finite and train.nonfinite = rollback, but there is no checkpoint to roll back to yet; "
-            "lower train.lr or save earlier (checkpoint.every)"
-        )
-    ts = checkpoint.restore_training(ckpt, model, optimizer, loader, info)
-    nonfinite.set_count(ts.get("skipped", 0))
-    loader.load_state_dict({**loader.state_dict(), "windows_consumed": cursor})
-    logger.rewind(ts["step"])  # the steps after the checkpoint are logged again
-    logger.text(
-        f"step {bad_step}: non-finite loss or gradient norm; rolled back to {ckpt.name}, data cursor moved past step {bad_step}'s batch"
-    )
-    return ts["step"], ts["tokens"]
 
 
 def train(cfg: Config, info: dist.DistInfo) -> dict:
