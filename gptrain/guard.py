@@ -45,8 +45,10 @@ class Preemption:
         self.received = self.received or signal.Signals(signum).name
 
     def restore(self) -> None:
+        """The previous handlers; after a stop, further signals are ignored while the process
+        exits (a second SIGTERM must not kill it in the middle of tearing down)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if self.received else handler)
         self._previous = {}
 
     def agreed(self) -> bool:

@@ -327,7 +327,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                 steps_since_log = 0
             if bar:
                 bar.update(1)
-            if stop:
+            if stop and not last:  # (a signal at the last step: the run simply finishes)
                 stopped_by = preemption.received or "a signal to another rank"
                 logger.text(
                     f"stopped by {stopped_by} at step {step}: checkpoint {saved_path} is complete; run the same command to resume"

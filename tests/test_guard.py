@@ -286,3 +286,47 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys, override, needle):
     assert cli(["train", "--config", DEBUG, f"--run.dir={tmp_path / 'r'}", override]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_saves_exits_0_and_the_rerun_equals_an_uninterrupted_run(
+    byte_data, tmp_path
+):
+    """2 ranks (gloo). SIGTERM reaches rank 1 only; rank 0 learns it through the per-step
+    all-reduce. Both save at the same step and exit 0; more signals while rank 0 writes the
+    checkpoint change nothing. The same command then finishes the run equal to one that was never
+    stopped, bit for bit (dropout on, so the RNG of every rank matters)."""
+    import signal
+    import time
+
+    import dist_helpers as h
+
+    common = ["--train.max_steps=40", "--train.micro_batch_size=4", *h.FAST, "--model.dropout=0.1"]
+    args = lambda d: ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={d}", *common]  # noqa: E731 # fmt: skip
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    h.check_ok(h.wait_all(h.spawn(args(full)), timeout=300))
+    procs = h.spawn(args(cut))
+    metrics, deadline = cut / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if metrics.is_file() and '"step": 5,' in metrics.read_text():
+            break
+        time.sleep(0.01)
+    procs[1].send_signal(signal.SIGTERM)
+    ckpts = cut / "checkpoints"
+    while all(p.poll() is None for p in procs) and not (ckpts.is_dir() and any(ckpts.iterdir())):
+        time.sleep(0.0005)
+    for p in procs:  # during the save (or just after it): ignored
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    results = h.wait_all(procs, timeout=240)
+    h.check_ok(results)
+    stopped = checkpoint.latest(cut)
+    step = checkpoint.load_meta(stopped)["step"]
+    assert 5 <= step < 40, step
+    assert "run the same command to resume" in results[0][1] + results[0][2]
+    assert retention.problem(stopped) is None
+    h.check_ok(h.wait_all(h.spawn(args(cut)), timeout=300))
+    a, b = weights(full), weights(cut)
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, step)
+    assert [r["step"] for r in rows(cut) if "loss" in r] == list(range(1, 41))
