@@ -14,6 +14,13 @@ Layout (a contract, see README):
 A checkpoint is written into `.tmp-step_XXXXXXXX`, each file fsynced, then renamed into place and
 only then named in `latest` (itself replaced atomically). A crash at any point leaves either the
 previous complete checkpoint or the new complete one: never a half-written folder that resume sees.
+A write that fails (a full disk) removes the temporary folder and is one UserError; the previous
+checkpoint is untouched.
+
+Nothing in a checkpoint is code: weights are safetensors, meta.json is JSON, and state.pt is read
+with `torch.load(weights_only=True)` (tensors and plain data; RNG states are stored as tensors).
+
+Which checkpoint to resume from (skipping damaged ones) and which to keep: gptrain/retention.py.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -31,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from gptrain.errors import UserError
 
 STEP_PREFIX = "step_"
+FORMAT = 2  # 2: state.pt holds only tensors and plain data (loaded with weights_only=True)
 TOKENIZER_FILE = "tokenizer.json"  # a copy of a trained BPE tokenizer, so sampling needs no data
 
 
@@ -70,7 +79,8 @@ def save(
     """Write checkpoint `step` under run_dir/checkpoints atomically and point `latest` at it.
 
     model_state: the unwrapped model's state dict (tensors); meta: JSON-able facts;
-    state: anything torch.save can hold (optimizer, data cursor, train state incl. RNG);
+    state: tensors and plain data only (optimizer, data cursor, train state, RNG as tensors),
+    since it is read back with weights_only=True;
     tied: {alias key: source key} of shared parameters (found from shared storage otherwise,
     but a gathered FSDP state dict holds separate copies).
     """
@@ -78,33 +88,23 @@ def save(
     root.mkdir(parents=True, exist_ok=True)
     name = step_dir_name(step)
     tmp = root / f".tmp-{name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     bad = [k for k in model_state if k.startswith(("module.", "_orig_mod.")) or "._orig_mod." in k]
     if bad:
         raise ValueError(f"wrapper prefix in model state key {bad[0]!r}: save the unwrapped model")
-    tensors, tied, seen = {}, dict(tied or {}), {}
-    for k, v in model_state.items():  # tied weights (lm_head = wte) are stored once
-        key = (v.data_ptr(), v.shape, v.dtype, v.device)
-        if k in tied:
-            continue
-        if key in seen:
-            tied[k] = seen[key]
-            continue
-        seen[key] = k
-        tensors[k] = v.detach().to("cpu").contiguous()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"tied": json.dumps(tied)})
-    _fsync_file(tmp / "model.safetensors")
-    if state is not None:
-        torch.save(state, tmp / "state.pt")
-        _fsync_file(tmp / "state.pt")
-    tok_file = meta.get("tokenizer", {}).get("path")  # a trained BPE: keep it with the weights
-    if tok_file and Path(tok_file).is_file():
-        _fsync_write(tmp / TOKENIZER_FILE, Path(tok_file).read_bytes())
-    files = {f.name: _file_record(f) for f in sorted(tmp.iterdir())}  # what meta.json vouches for
-    meta_text = json.dumps({"step": step, **meta, "files": files}, indent=2) + "\n"
-    _fsync_write(tmp / "meta.json", meta_text.encode())
+    try:
+        _write_folder(tmp, step, model_state, meta, state, tied)
+    except Exception as e:  # a full disk, a quota, an I/O error: torch and safetensors wrap OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, (OSError, RuntimeError)) and "Safetensor" not in type(e).__name__:
+            raise
+        kept = (
+            f"the previous checkpoint ({pointer(root)}) is intact"
+            if pointer(root)
+            else "no earlier checkpoint exists"
+        )
+        raise UserError(
+            f"cannot write checkpoint {name} in {root} ({type(e).__name__}: {first_line(e)}); {kept}; free disk space and run the same command to resume"
+        ) from None
     return publish(root, name, tmp)
 
 
@@ -124,6 +124,47 @@ def publish(root: Path, name: str, tmp: Path) -> Path:
     if old.exists():
         shutil.rmtree(old)
     return final
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else "no details"
+
+
+def pointer(root: Path) -> str:
+    """The folder name `latest` holds ("" when there is none)."""
+    try:
+        return (root / "latest").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _write_folder(tmp: Path, step: int, model_state: dict, meta: dict, state, tied) -> None:
+    """Every file of a checkpoint into the temporary folder `tmp`, each fsynced."""
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    tensors, tied, seen = {}, dict(tied or {}), {}
+    for k, v in model_state.items():  # tied weights (lm_head = wte) are stored once
+        key = (v.data_ptr(), v.shape, v.dtype, v.device)
+        if k in tied:
+            continue
+        if key in seen:
+            tied[k] = seen[key]
+            continue
+        seen[key] = k
+        tensors[k] = v.detach().to("cpu").contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"tied": json.dumps(tied)})
+    _fsync_file(tmp / "model.safetensors")
+    if state is not None:
+        torch.save(state, tmp / "state.pt")
+        _fsync_file(tmp / "state.pt")
+    tok_file = meta.get("tokenizer", {}).get("path")  # a trained BPE: keep it with the weights
+    if tok_file and Path(tok_file).is_file():
+        _fsync_write(tmp / TOKENIZER_FILE, Path(tok_file).read_bytes())
+    files = {f.name: _file_record(f) for f in sorted(tmp.iterdir())}  # what meta.json vouches for
+    record = {"step": step, "format": FORMAT, **meta, "files": files}
+    _fsync_write(tmp / "meta.json", (json.dumps(record, indent=2) + "\n").encode())
 
 
 def _complete(path: Path) -> bool:
@@ -164,23 +205,6 @@ def find(run_dir: str | Path, step: int | None = None) -> Path:
     return path
 
 
-def resume_point(run_dir: str | Path, resume: str) -> Path | None:
-    """checkpoint.resume → the checkpoint to continue from, or None to start fresh.
-
-    auto: the latest one when there is one; latest: it must exist; none: start fresh, refused when
-    the run directory already has checkpoints (never overwrite a run); a number: that step."""
-    newest = latest(run_dir)
-    if resume == "auto":
-        return newest
-    if resume == "none":
-        if newest is not None:
-            raise UserError(
-                f"run.dir {run_dir} already has checkpoints (latest {newest.name}) and checkpoint.resume = 'none'; choose a new --run.dir or resume with --checkpoint.resume=auto"
-            )
-        return None
-    return find(run_dir, None if resume == "latest" else int(resume))
-
-
 def load_meta(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / "meta.json"
     try:
@@ -215,7 +239,7 @@ def load_model_state(ckpt_dir: str | Path, device: str = "cpu") -> tuple[dict, d
     """(model state dict, meta) of a checkpoint folder, its weights file verified first."""
     path = Path(ckpt_dir) / "model.safetensors"
     meta = load_meta(ckpt_dir)
-    if meta.get("format") == "dcp":  # sharded (an FSDP2 run): gathered into one full state dict
+    if meta.get("layout") == "dcp":  # sharded (an FSDP2 run): gathered into one full state dict
         from gptrain.sharded import load_full_model_state
 
         return load_full_model_state(ckpt_dir, meta, device), meta
@@ -238,12 +262,25 @@ def load_state(ckpt_dir: str | Path) -> dict:
         raise UserError(
             f"checkpoint {ckpt_dir} has no training state (state.pt); it can be sampled but not resumed"
         )
-    verify_file(path, load_meta(ckpt_dir))
-    try:  # our own file (it holds Python/numpy RNG states, so not weights_only): trust it as code
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # truncated or damaged: pickle, zip and torch raise various types
+    meta = load_meta(ckpt_dir)
+    if meta.get("format", 1) < FORMAT:
         raise UserError(
-            f"cannot read training state {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"checkpoint {ckpt_dir} was written by an older gptrain whose state.pt holds pickled Python objects; it is not loaded (a checkpoint must be data, never code): sample or export it, or start a new run.dir"
+        )
+    verify_file(path, meta)
+    try:  # tensors and plain data only: nothing in the file can run code
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise UserError(
+                f"cannot read training state {path} ({first_line(e)}); resume from an earlier checkpoint with --checkpoint.resume=STEP"
+            ) from None
+        raise UserError(
+            f"refused {path}: it holds objects other than tensors and plain data (a checkpoint is data, never code; nothing from it was run); use a checkpoint you trained yourself"
+        ) from None
+    except Exception as e:  # truncated or damaged: zip and torch raise various types
+        raise UserError(
+            f"cannot read training state {path} ({type(e).__name__}: {first_line(e)}); "
             "resume from an earlier checkpoint with --checkpoint.resume=STEP"
         ) from None
 
@@ -258,14 +295,23 @@ def _options(**kw):
 
 
 def _rng_state(device: str) -> dict:
+    """This process's RNG states as tensors and plain data (loadable with weights_only=True)."""
     import random
 
     import numpy as np
 
+    version, words, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": [version, torch.tensor(words, dtype=torch.int64), gauss],
+        "numpy": [
+            name,
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
     }
     if device.startswith("cuda"):
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -278,8 +324,10 @@ def _set_rng_state(state: dict, device: str) -> None:
     import numpy as np
 
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words.tolist()), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if device.startswith("cuda") and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
@@ -300,7 +348,8 @@ def save_training(
     run_dir, step: int, model, optimizer, loader, train_state: dict, meta: dict, info
 ) -> Path | None:
     """Collective: every rank calls it; the main process writes model, optimizer, data cursor,
-    train_state and the RNG state of EVERY rank. Keys are the unwrapped model's (no prefixes)."""
+    train_state and the RNG state of EVERY rank. Keys are the unwrapped model's (no prefixes). A
+    failed write (full disk) is a UserError on every rank."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -314,16 +363,16 @@ def save_training(
     if gdist.active():
         rngs = [None] * info.world_size
         torch.distributed.all_gather_object(rngs, _rng_state(info.device))
-    path = None
-    if info.is_main:
-        state = {
-            "optimizer": optim_state,
-            "data": loader.state_dict(),
-            "train_state": {**train_state, "world_size": info.world_size, "rng": rngs},
-        }
-        path = save(run_dir, step, model_state, meta, state, tied=shared_parameters(model))
-    gdist.barrier()
-    return path
+    state = {
+        "optimizer": optim_state,
+        "data": loader.state_dict(),
+        "train_state": {**train_state, "world_size": info.world_size, "rng": rngs},
+    }
+
+    tied = shared_parameters(model)
+    # the main process writes; its collective is the barrier after the save, and a failed write
+    # (a full disk) is one UserError on every rank
+    return gdist.on_main(info, lambda: save(run_dir, step, model_state, meta, state, tied=tied))
 
 
 def restore_training(ckpt_dir, model, optimizer, loader, info) -> dict:

@@ -82,6 +82,13 @@ class TrainConfig:
     device: str = opt(
         "auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda")
     )
+    # unattended runs (gptrain/guard.py)
+    nonfinite: str = opt(
+        "skip",
+        "a step whose gradient norm is NaN/inf: skip (discard the update, count it), stop (exit, saving nothing new) or rollback (reload the newest checkpoint, data cursor past the bad batch)",
+        ("skip", "stop", "rollback"),
+    )
+    max_skips: int = opt(10, "this many consecutive skipped steps stop the run")
 
 
 @dataclass(frozen=True)
@@ -132,7 +139,11 @@ class CheckpointConfig:
     every: int = opt(100, "save a checkpoint every N steps (and at the end); 0 only at the end")
     resume: str = opt(
         "auto",
-        "auto: continue from run.dir's latest checkpoint when there is one; latest: require one; none: start fresh (refused when run.dir has checkpoints); or a step number",
+        "auto: continue from run.dir's newest valid checkpoint when there is one (damaged newer ones are skipped with a warning); latest: require one; none: start fresh (refused when run.dir has checkpoints); or a step number",
+    )
+    keep_last: int = opt(3, "keep the newest N checkpoints (older ones are deleted after a save)")
+    keep_every: int = opt(
+        0, "also keep every checkpoint whose step is a multiple of N forever; 0: none"
     )
 
 
@@ -383,6 +394,16 @@ def validate(cfg: Config) -> None:
         f"eval.tokens = {cfg.eval.tokens} is less than one window of train.seq_len = {t.seq_len}",
     )
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0")
+    c = cfg.checkpoint
+    _check(
+        c.keep_last >= 1,
+        f"checkpoint.keep_last = {c.keep_last} must be >= 1 (the newest is always kept)",
+    )
+    _check(
+        c.keep_every >= 0,
+        f"checkpoint.keep_every = {c.keep_every} must be >= 0 (0 keeps no milestones)",
+    )
+    _check(t.max_skips >= 1, f"train.max_skips = {t.max_skips} must be >= 1")
     r = cfg.checkpoint.resume
     _check(
         r in ("auto", "latest", "none") or r.isdigit(),

@@ -295,6 +295,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def any_rank(flag: bool) -> bool:
+    """Collective: True when `flag` is set on any rank. One all-reduce of a one-element CPU
+    tensor (gloo; under nccl the "cpu:gloo,cuda:nccl" group sends it over gloo): no device sync."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def barrier() -> None:
     if active():
         dist.barrier()

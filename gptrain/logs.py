@@ -70,6 +70,9 @@ class NullLogger:
     def text(self, line: str, echo: bool = True) -> None:
         pass
 
+    def rewind(self, step: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -147,6 +150,12 @@ class RunLogger(NullLogger):
         if self.wandb is not None and step > self.wandb_step:
             self.wandb.log(metrics, step=step)
             self.wandb_step = step
+
+    def rewind(self, step: int) -> None:
+        """Drop metrics.jsonl rows after `step` mid-run (a rollback redoes those steps)."""
+        self.jsonl.close()
+        rewind_metrics(self.dir, step)
+        self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
 
     def text(self, line: str, echo: bool = True) -> None:
         self.textlog.write(line + "\n")

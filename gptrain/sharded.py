@@ -8,7 +8,7 @@ writes (the collectives here use dist.io_group(), with its own generous time-out
       .metadata          DCP's index of every tensor's chunks (written by rank 0)
       __0_0.distcp ...   rank r's tensor shards (`__{r}_*.distcp`)
       state.pt           {optimizer param_groups, data cursor, train_state incl. every rank's RNG}
-      meta.json          as for full checkpoints, plus "format": "dcp"; size + sha256 of every
+      meta.json          as for full checkpoints, plus "layout": "dcp"; size + sha256 of every
                          file, each rank hashing the shards it wrote
       tokenizer.json     only for a trained BPE tokenizer
 
@@ -36,7 +36,7 @@ from gptrain import checkpoint
 from gptrain import dist as gdist
 from gptrain.errors import UserError
 
-FORMAT = "dcp"
+LAYOUT = "dcp"  # meta.json "layout" of a sharded checkpoint (full ones have none)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -94,7 +94,14 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
             if f.name not in files:
                 files[f.name] = checkpoint._file_record(f)
         tied = checkpoint.shared_parameters(model)
-        meta_all = {"step": step, **meta, "format": FORMAT, "tied": tied, "files": files}
+        meta_all = {
+            "step": step,
+            **meta,
+            "format": checkpoint.FORMAT,
+            "layout": LAYOUT,
+            "tied": tied,
+            "files": files,
+        }
         checkpoint._fsync_write(tmp / "meta.json", (_json(meta_all) + "\n").encode())
         path = checkpoint.publish(root, name, tmp)
     _barrier(group)
@@ -104,7 +111,7 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
 def restore_training(ckpt_dir, meta: dict, model, optimizer, loader, info) -> dict:
     """Collective: load any checkpoint into (possibly wrapped) parts; a DCP one is resharded onto
     this world size, a full one goes through checkpoint.restore_training. Returns train_state."""
-    if meta.get("format") != FORMAT:
+    if meta.get("layout") != LAYOUT:
         return checkpoint.restore_training(ckpt_dir, model, optimizer, loader, info)
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

@@ -10,6 +10,10 @@
 One optimizer step consumes exactly train.total_batch_size tokens whatever the world size:
 accumulation = total_batch_size / (micro_batch_size * seq_len * world_size). Gradients are
 synchronised only on the last micro-step. `.item()` (a host sync) happens only on logging steps.
+
+At each step boundary the loop asks gptrain/guard.py whether a rank was signalled to stop (then it
+saves and exits 0) and, on steps that sync anyway, applies the non-finite policy. A step that both
+saves and evaluates writes its checkpoint first.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from dataclasses import asdict
 
 import torch
 
-from gptrain import batch, checkpoint, dist, launch, sharded
+from gptrain import batch, checkpoint, dist, launch, retention, sharded
 from gptrain.build import build_training
 from gptrain.config import Config, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
+from gptrain.guard import NonFinite, NonFiniteStop, Preemption, roll_back
 from gptrain.logs import NullLogger, RunLogger, require_packages
 from gptrain.metrics import format_duration, measure_peak_flops, mfu, synchronize
 
@@ -42,13 +47,16 @@ def train_step(
     autocast,
     grad_clip: float,
     sync: bool = True,
+    guard: NonFinite | None = None,
+    step: int = 0,
 ):
     """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as tensors.
 
     Each micro-loss is divided by `accum`, so the summed gradients equal the gradient of the big
     batch's mean loss. Gradients are communicated on the last micro-step only (`no_sync()` /
     `set_requires_gradient_sync` otherwise), overlapping that backward. `sync=False` skips all
-    communication (the benchmark uses it to measure the communication share)."""
+    communication (the benchmark uses it to measure the communication share). With `guard`, a
+    step (number `step`) whose gradient norm is NaN/inf leaves weights and optimizer untouched."""
     loss_sum = None
     for micro in range(accum):
         x, y = next_batch()
@@ -62,8 +70,11 @@ def train_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(
         model.parameters(), grad_clip if grad_clip > 0 else math.inf
     )
-    scaler.step(optimizer)
-    scaler.update()
+    if guard is None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        guard.step(optimizer, scaler, grad_norm, step)
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
@@ -89,7 +100,9 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     tokenizer = dataset.tokenizer
 
     # resume: from the latest checkpoint of this run directory when there is one
-    ckpt = dist.from_main(info, lambda: checkpoint.resume_point(run_dir, cfg.checkpoint.resume))
+    ckpt, skipped_ckpts = dist.from_main(
+        info, lambda: retention.resume_point(run_dir, cfg.checkpoint.resume)
+    )
     saved = {}  # only the main process reads the run directory (it alone writes it)
     if ckpt is not None:
         saved = dist.from_main(info, lambda: checkpoint.load_meta(ckpt))
@@ -116,10 +129,14 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         device=info.device,
     )
     byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
-    step, tokens_seen, elapsed_before = 0, 0, 0.0
+    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
+    nonfinite = NonFinite(t.nonfinite, t.max_skips, optimizer, scaler, info.device, fsdp)
+    step, tokens_seen, elapsed_before, rollbacks = 0, 0, 0.0, 0
     if ckpt is not None:
         ts = sharded.restore_training(ckpt, saved, model, optimizer, loader, info)
         step, tokens_seen, elapsed_before = ts["step"], ts["tokens"], ts.get("elapsed_s", 0.0)
+        nonfinite.set_count(ts.get("skipped", 0))
+        rollbacks = ts.get("rollbacks", 0)
         if ts.get("world_size") != info.world_size:
             torch.manual_seed(t.seed + 1000 * info.rank + step)
     else:
@@ -159,6 +176,8 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         f"micro-batch {mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {accum}, {t.total_batch_size:,} tokens/step, dtype {str(ptdtype).removeprefix('torch.')}, "
         f"device {info.device}, measured peak {peak / 1e12:.2f} TFLOP/s"
     )
+    for warning in skipped_ckpts:  # damaged newer checkpoints that resume fell back from
+        logger.text(f"warning: {warning}")
     meta = {
         "model": asdict(model.config),
         "tokenizer": tokenizer.identity(),
@@ -167,17 +186,22 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         "config": to_toml(cfg),
     }
 
-    def save(step: int) -> None:
+    def save(step: int):
         meta_now = {**meta, "tokens": tokens_seen}
         state = {
             "step": step,
             "tokens": tokens_seen,
             "elapsed_s": elapsed_before + time.perf_counter() - t_start,
+            "skipped": nonfinite.count(),
+            "rollbacks": rollbacks,
         }
         path = sharded.save_training(  # DCP shards under FSDP2, else a full checkpoint
             run_dir, step, model, optimizer, loader, state, meta_now, info
         )
+        c = cfg.checkpoint  # retention, once the new checkpoint is complete and named in `latest`
+        dist.on_main(info, lambda: retention.prune(run_dir, step, c.keep_last, c.keep_every))
         logger.text(f"step {step}: checkpoint {path}")
+        return path
 
     def run_eval_and_sample(step: int, eval_now: bool, sample_now: bool) -> dict:
         out = {}
@@ -226,20 +250,16 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     t_start = t_log = time.perf_counter()
     steps_since_log, last_loss, last_val = 0, float("nan"), {}
     tok_per_s = mfu_now = 0.0
+    preemption, stopped_by = Preemption().install(), None
+    windows_per_step = t.total_batch_size // t.seq_len  # the data cursor's advance per step
     try:
         while step < t.max_steps:
             lr = lr_at(step, cfg.optim, t.max_steps)
             set_lr(optimizer, lr, cfg.optim)
             loss_sum, grad_norm = train_step(
-                wrapped,
-                model,
-                optimizer,
-                scaler,
-                loader.next_batch,
-                accum,
-                autocast,
-                cfg.optim.grad_clip,
-            )
+                wrapped, model, optimizer, scaler, loader.next_batch, accum, autocast,
+                cfg.optim.grad_clip, guard=nonfinite, step=step + 1,
+            )  # fmt: skip
             step += 1
             tokens_seen += t.total_batch_size
             steps_since_log += 1
@@ -247,7 +267,22 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             last = step == t.max_steps
             eval_now = last or (cfg.eval.every > 0 and step % cfg.eval.every == 0)
             sample_now = last or (cfg.eval.sample_every > 0 and step % cfg.eval.sample_every == 0)
-            if step % cfg.log.every == 0 or last or eval_now or sample_now:
+            log_now = step % cfg.log.every == 0 or last or eval_now or sample_now
+            save_now = last or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
+            stop = preemption.agreed()  # one tiny CPU all-reduce: did any rank get SIGTERM/USR1?
+            if log_now or save_now or stop:  # steps that sync anyway: the non-finite policy
+                bad_step = nonfinite.check(step)  # raises NonFiniteStop (stop, max_skips)
+                if bad_step is not None:  # rollback
+                    rollbacks += 1
+                    step, tokens_seen = roll_back(
+                        bad_step, step, run_dir, model, optimizer, loader, info, windows_per_step,
+                        nonfinite, logger,
+                    )  # fmt: skip
+                    steps_since_log, t_log = 0, time.perf_counter()
+                    if bar:
+                        bar.n = step
+                    continue
+            if log_now:
                 last_loss = dist.all_reduce_mean(loss_sum).item()  # mean over micro-steps and ranks
                 if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
                     grad_norm = grad_norm.full_tensor()
@@ -262,7 +297,13 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                     "tokens": tokens_seen,
                     "tok_per_s": tok_per_s,
                     "mfu": mfu_now,
+                    "skipped": nonfinite.count(),
                 }
+                if t.nonfinite == "rollback":
+                    metrics["rollbacks"] = rollbacks
+            if save_now or stop:  # before eval: an eval that fails cannot cost the checkpoint
+                saved_path = save(step)
+            if log_now:
                 metrics.update(run_eval_and_sample(step, eval_now, sample_now))
                 last_val = {
                     k: metrics[k] for k in ("val_loss", "val_bpb") if k in metrics
@@ -283,13 +324,19 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                 steps_since_log = 0
             if bar:
                 bar.update(1)
-            if last or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0):
-                save(step)
+            if stop and not last:  # (a signal at the last step: the run simply finishes)
+                stopped_by = preemption.received or "a signal to another rank"
+                logger.text(
+                    f"stopped by {stopped_by} at step {step}: checkpoint {saved_path} is complete; run the same command to resume"
+                )
+                break
             if steps_since_log == 0:  # throughput intervals exclude eval, sampling and checkpoints
                 t_log = time.perf_counter()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, NonFiniteStop) as e:
         loader.close()
-        if info.is_main:  # only the main process reads the run directory
+        if isinstance(e, NonFiniteStop):
+            logger.text(f"stopped: {e}", echo=False)  # main() prints it once
+        elif info.is_main:  # only the main process reads the run directory
             logger.text(
                 f"interrupted at step {step}; the last checkpoint is {checkpoint.latest(run_dir)}; run the same command to resume"
             )
@@ -297,9 +344,14 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             bar.close()
         logger.close()
         raise
+    finally:
+        preemption.restore()
     loader.close()
     if bar:
         bar.close()
+    if stopped_by:  # the run is not finished: no final summary or plot
+        logger.close()
+        return {"steps": step, "tokens": tokens_seen, "world_size": info.world_size, "stopped_by": stopped_by}  # fmt: skip
 
     elapsed = elapsed_before + time.perf_counter() - t_start
     summary = {
@@ -348,6 +400,9 @@ def main(argv: list[str]) -> int:
         finished = True
     except KeyboardInterrupt:
         return 130
+    except NonFiniteStop as e:  # train.nonfinite = stop, or train.max_skips reached
+        print(f"gptrain: error: {e}", file=sys.stderr)
+        return 1
     except RuntimeError as e:  # a dead or stuck peer: one line naming rank and operation, exit 1
         failure = dist.failure(e, info) if dist.active() else None
         if failure is None:

@@ -110,7 +110,7 @@ def test_ddp_fsdp_multinode_equal_single_process(runs):
         meta = checkpoint.load_meta(checkpoint.find(runs[name]))
         assert meta["step"] == STEPS
         assert single.keys() == other.keys(), name
-        if meta.get("format") == "dcp":  # FSDP2: sharded; the tied lm_head is stored once
+        if meta.get("layout") == "dcp":  # FSDP2: sharded; the tied lm_head is stored once
             assert meta["tied"] == {"lm_head.weight": "transformer.wte.weight"}
         else:
             assert "lm_head.weight" not in load_file(

@@ -142,7 +142,7 @@ def test_sharded_checkpoint_layout_and_export_sample(dcp_run, tmp_path):
     folder = checkpoint.find(dcp_run)
     meta = checkpoint.load_meta(folder)
     names = {p.name for p in folder.iterdir()}
-    assert meta["format"] == "dcp" and "model.safetensors" not in names
+    assert meta["layout"] == "dcp" and "model.safetensors" not in names
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"} <= names
     assert names - {"meta.json"} == set(meta["files"])  # every file recorded (size + sha256)
     full = sharded.load_full_model_state(folder, meta)
