@@ -78,7 +78,8 @@ def validation(model, tokenizer, data_dir, info, autocast, eval_tokens: int, seq
     return {"val_loss": loss, "val_bpb": bpb}
 
 
-def hellaswag(model, tokenizer, source: str, limit: int, batch_tokens: int, info, autocast) -> dict:
+def hellaswag(model, tokenizer, source: str, limit: int, batch_tokens: int, info, autocast) -> tuple[dict, dict]:  # fmt: skip
+    """(summary numbers, per-example predictions {"acc": [...], "acc_norm": [...]})."""
     from gptrain.hellaswag import HellaSwag, load_examples
 
     examples = dist.local_main_first(info, lambda: load_examples(source, limit))
@@ -88,13 +89,14 @@ def hellaswag(model, tokenizer, source: str, limit: int, batch_tokens: int, info
     seconds = time.perf_counter() - t0
     tokens = torch.tensor([result.tokens], dtype=torch.float64, device=info.device)
     dist.all_reduce_sum(tokens)  # every rank's real tokens
+    preds = {"acc": result.pred.tolist(), "acc_norm": result.pred_norm.tolist()}
     return {
         **result.metrics(),
         "hellaswag_examples": len(examples),
         "hellaswag_truncated": result.truncated,
         "hellaswag_seconds": seconds,
         "hellaswag_tok_per_s": tokens.item() / seconds,
-    }
+    }, preds
 
 
 def format_table(name: str, step, results: dict) -> str:
@@ -141,7 +143,7 @@ def main(argv: list[str]) -> int:
         model, tokenizer, name, step, run_data = load_subject(a, info.device)
         ptdtype = resolve_dtype(a.dtype, info.device_type)
         autocast, _ = mixed_precision(ptdtype, info.device_type, fsdp=False)
-        results: dict = {}
+        results, details = {}, {}
         if "val" in tasks:
             data = a.data or run_data
             if not data:
@@ -149,12 +151,13 @@ def main(argv: list[str]) -> int:
             seq_len = model.config.block_size
             results |= validation(model, tokenizer, data, info, autocast, a.val_tokens, seq_len, max(1, a.batch_tokens // seq_len))  # fmt: skip
         if "hellaswag" in tasks:
-            results |= hellaswag(model, tokenizer, a.hellaswag, a.hellaswag_limit, a.batch_tokens, info, autocast)  # fmt: skip
+            numbers, details["hellaswag_predictions"] = hellaswag(model, tokenizer, a.hellaswag, a.hellaswag_limit, a.batch_tokens, info, autocast)  # fmt: skip
+            results |= numbers
         if info.is_main:
             out = Path(a.out) if a.out else None
             if out is None:
                 out = Path(a.run) / "eval" / f"step_{step:08d}.json" if a.run else Path(f"eval-{name}.json")  # fmt: skip
-            record = {"model": a.run or a.hf, "step": step, "tokenizer": tokenizer.name, "dtype": str(ptdtype).removeprefix("torch."), "world_size": info.world_size, **results}  # fmt: skip
+            record = {"model": a.run or a.hf, "step": step, "tokenizer": tokenizer.name, "dtype": str(ptdtype).removeprefix("torch."), "world_size": info.world_size, **results, **details}  # fmt: skip
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
             tmp.write_text(json.dumps(record, indent=2) + "\n")

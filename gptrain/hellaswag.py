@@ -273,3 +273,12 @@ class HellaSwag:
             tokens=tokens,
             positions=positions,
         )
+
+
+def task_for(source: str, limit: int, tokenizer, block_size: int, batch_tokens: int, info: dist.DistInfo) -> HellaSwag | None:  # fmt: skip
+    """The training loop's task (None when `source` is empty); the built-in copy is fetched once
+    per machine (local main first)."""
+    if not source:
+        return None
+    examples = dist.local_main_first(info, lambda: load_examples(source, limit))
+    return HellaSwag(examples, tokenizer, block_size, batch_tokens)

@@ -9,6 +9,10 @@ Resume keeps every sink to one value per step: metrics.jsonl rows past the check
 TensorBoard hides the same events (`purge_step`), and W&B continues the same run (its id is kept
 in run.dir/wandb_run_id), where a step it already holds keeps its first value (exact resume
 recomputes the same numbers).
+
+In TensorBoard and W&B the curves are grouped by `tracker_key` (`train/loss`, `val/loss`,
+`hellaswag/acc_norm`, ...) against the step; metrics.jsonl keeps the flat keys. At the end,
+`scorecard` records the run's settings with its results (TensorBoard hparams, W&B run summary).
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ from pathlib import Path
 from gptrain.errors import UserError
 
 WANDB_ID_FILE = "wandb_run_id"
+GROUPS = ("val", "hellaswag")  # val_loss -> val/loss, hellaswag_acc -> hellaswag/acc; else train/
+
+
+def tracker_key(key: str) -> str:
+    """The grouped name a metrics.jsonl key gets in TensorBoard and W&B."""
+    group, _, rest = key.partition("_")
+    return f"{group}/{rest}" if group in GROUPS and rest else f"train/{key}"
 
 
 def require_packages(tensorboard: bool, wandb_project: str) -> None:
@@ -68,6 +79,9 @@ class NullLogger:
         pass
 
     def text(self, line: str, echo: bool = True) -> None:
+        pass
+
+    def scorecard(self, hparams: dict, metrics: dict) -> None:
         pass
 
     def close(self) -> None:
@@ -141,12 +155,24 @@ class RunLogger(NullLogger):
 
     def log(self, step: int, metrics: dict) -> None:
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        for key, value in metrics.items():
+        grouped = {tracker_key(k): v for k, v in metrics.items()}
+        for key, value in grouped.items():
             if self.tb is not None and isinstance(value, (int, float)):
                 self.tb.add_scalar(key, value, step)
         if self.wandb is not None and step > self.wandb_step:
-            self.wandb.log(metrics, step=step)
+            self.wandb.log(grouped, step=step)
             self.wandb_step = step
+
+    def scorecard(self, hparams: dict, metrics: dict) -> None:
+        """The run's settings with its results: TensorBoard's hparams table (metrics under
+        `scorecard/`), and the W&B run summary (settings under `hparams/`)."""
+        results = {f"scorecard/{k}": v for k, v in metrics.items()}
+        if self.tb is not None:
+            self.tb.add_hparams(hparams, results, run_name=".")
+        if self.wandb is not None:
+            self.wandb.summary.update(
+                {**results, **{f"hparams/{k}": v for k, v in hparams.items()}}
+            )
 
     def text(self, line: str, echo: bool = True) -> None:
         self.textlog.write(line + "\n")

@@ -28,6 +28,7 @@ from gptrain.build import build_training
 from gptrain.config import Config, accumulation_steps, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
+from gptrain.hellaswag import task_for
 from gptrain.logs import NullLogger, RunLogger, require_packages
 from gptrain.metrics import format_duration, measure_peak_flops, mfu, synchronize
 
@@ -66,6 +67,31 @@ def train_step(
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
+
+
+EVAL_KEYS = ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm")
+
+
+def scorecard_hparams(cfg: Config, arch, tokens: int, train_tokens: int) -> dict:
+    """The settings the trackers' scorecard (TensorBoard hparams, W&B summary) records.
+    Peak lr and weight decay are read here only."""
+    t = cfg.train
+    return {
+        "peak_lr": t.lr,
+        "weight_decay": t.weight_decay,
+        "steps": t.max_steps,
+        "n_layer": arch.n_layer,
+        "n_embd": arch.n_embd,
+        "seq_len": t.seq_len,
+        "total_tokens": tokens,
+        "epochs": tokens / max(train_tokens, 1),  # passes through the training split
+    }
+
+
+def scorecard_metrics(summary: dict) -> dict:
+    """The scorecard's results: best val loss, final val bpb, final HellaSwag."""
+    keys = {"best_val_loss": "best_val_loss", "val_bpb": "final_val_bpb", "hellaswag_acc": "hellaswag_acc", "hellaswag_acc_norm": "hellaswag_acc_norm"}  # fmt: skip
+    return {new: summary[old] for old, new in keys.items() if old in summary}
 
 
 def train(cfg: Config, info: dist.DistInfo) -> dict:
@@ -117,6 +143,10 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         cfg, info, dataset.vocab_size, t.dtype, t.compile, saved_arch=saved.get("model")
     )
     byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
+    hellaswag = task_for(cfg.eval.hellaswag, cfg.eval.hellaswag_limit, tokenizer, model.config.block_size, t.micro_batch_size * t.seq_len, info)  # fmt: skip
+    best = {
+        k: saved[k] for k in ("best_val_loss", "best_val_step") if k in saved
+    }  # kept through resume
     step, tokens_seen, elapsed_before = 0, 0, 0.0
     if ckpt is not None:
         ts = checkpoint.restore_training(ckpt, model, optimizer, loader, info)
@@ -168,7 +198,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     }
 
     def save(step: int) -> None:
-        meta_now = {**meta, "tokens": tokens_seen}
+        meta_now = {**meta, "tokens": tokens_seen, **best}
         state = {
             "step": step,
             "tokens": tokens_seen,
@@ -178,6 +208,10 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             run_dir, step, model, optimizer, loader, state, meta_now, info
         )
         logger.text(f"step {step}: checkpoint {path}")
+
+    def hellaswag_due(step: int) -> bool:
+        every = cfg.eval.hellaswag_every
+        return hellaswag is not None and (step == t.max_steps or (every > 0 and step % every == 0))
 
     def run_eval_and_sample(step: int, eval_now: bool, sample_now: bool) -> dict:
         out = {}
@@ -194,6 +228,19 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             )
             logger.text(
                 f"step {step}: val loss {out['val_loss']:.4f}, val bpb {out['val_bpb']:.4f}"
+            )
+            if out["val_loss"] < best.get("best_val_loss", math.inf):
+                best.update(best_val_loss=out["val_loss"], best_val_step=step)
+        if hellaswag_due(step):
+            result = hellaswag.score(wrapped, info, autocast)
+            out.update(result.metrics())
+            logger.text(
+                f"step {step}: hellaswag acc {result.acc:.4f}, acc_norm {result.acc_norm:.4f} ({len(result.labels)} examples"
+                + (
+                    f", {result.truncated} truncated on the left to the model's context)"
+                    if result.truncated
+                    else ")"
+                )
             )
         if sample_now:  # every rank generates (FSDP needs all ranks in each forward); main prints
             with autocast:
@@ -243,7 +290,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             last = step == t.max_steps
             eval_now = last or (cfg.eval.every > 0 and step % cfg.eval.every == 0)
             sample_now = last or (cfg.eval.sample_every > 0 and step % cfg.eval.sample_every == 0)
-            if step % cfg.log.every == 0 or last or eval_now or sample_now:
+            if step % cfg.log.every == 0 or last or eval_now or sample_now or hellaswag_due(step):
                 last_loss = dist.all_reduce_mean(loss_sum).item()  # mean over micro-steps and ranks
                 if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
                     grad_norm = grad_norm.full_tensor()
@@ -260,9 +307,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                     "mfu": mfu_now,
                 }
                 metrics.update(run_eval_and_sample(step, eval_now, sample_now))
-                last_val = {
-                    k: metrics[k] for k in ("val_loss", "val_bpb") if k in metrics
-                } or last_val
+                last_val.update({k: v for k, v in metrics.items() if k in EVAL_KEYS})
                 logger.log(step, metrics)
                 if bar:
                     bar.set_postfix(
@@ -303,6 +348,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         "tokens": tokens_seen,
         "train_loss": last_loss,
         **last_val,
+        **best,
         "elapsed_s": elapsed,
         "tok_per_s": tok_per_s,
         "mfu": mfu_now,
@@ -314,6 +360,11 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         plot_path = plot_run(run_dir)
+        train_tokens = sum(len(s) for s in dataset.shards["train"])
+        logger.scorecard(
+            scorecard_hparams(cfg, model.config, tokens_seen, train_tokens),
+            scorecard_metrics(summary),
+        )
         logger.text(
             f"done: {step} steps, {tokens_seen:,} tokens in {format_duration(elapsed)}; train loss {last_loss:.4f}"
             + (

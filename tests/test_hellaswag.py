@@ -5,6 +5,8 @@ copy is fetched for real and its sha256 checks reject a tampered file."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -114,6 +116,27 @@ def test_batching_does_not_change_the_result(hellaswag_file):
     big = hs.HellaSwag(examples, tok, 128, batch_tokens=4096).score(model, CPU, nullcontext())
     np.testing.assert_allclose(small.sum_loss, big.sum_loss, rtol=1e-6, atol=1e-5)
     assert small.acc == big.acc and small.acc_norm == big.acc_norm
+
+
+@pytest.mark.slow
+def test_two_ranks_give_what_one_gives(tmp_path, hellaswag_file):
+    """`gptrain eval` on 2 gloo ranks (examples split, losses all-reduced) == 1 process: the same
+    accuracy and the same prediction for every example."""
+    import dist_helpers as h
+
+    save_run(tmp_path / "run", load_tokenizer("byte"), 128)
+    args = ["--run", str(tmp_path / "run"), "--tasks", "hellaswag", "--hellaswag", str(hellaswag_file)]  # fmt: skip
+    args += ["--hellaswag-limit", "50", "--batch-tokens", "1024", "--device", "cpu"]
+    one = [sys.executable, "-m", "gptrain", "eval", *args, "--out", str(tmp_path / "one.json")]
+    proc = subprocess.run(one, env=h.env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    two = ["-m", "gptrain", "eval", *args, "--out", str(tmp_path / "two.json")]
+    h.check_ok(h.wait_all(h.spawn(two, world=2), timeout=300))
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert (a["world_size"], b["world_size"]) == (1, 2)
+    assert len(a["hellaswag_predictions"]["acc_norm"]) == 50
+    for key in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_predictions", "hellaswag_truncated"):  # fmt: skip
+        assert a[key] == b[key], key
 
 
 def _write(tmp_path, lines) -> str:
