@@ -186,3 +186,25 @@ class RunLogger(NullLogger):
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def scorecard_hparams(cfg, arch, tokens: int, train_tokens: int) -> dict:
+    """The settings the trackers' scorecard (TensorBoard hparams, W&B summary) records.
+    Peak lr and weight decay are read here only."""
+    t = cfg.train
+    return {
+        "peak_lr": t.lr,
+        "weight_decay": t.weight_decay,
+        "steps": t.max_steps,
+        "n_layer": arch.n_layer,
+        "n_embd": arch.n_embd,
+        "seq_len": t.seq_len,
+        "total_tokens": tokens,
+        "epochs": tokens / max(train_tokens, 1),  # passes through the training split
+    }
+
+
+def scorecard_metrics(summary: dict) -> dict:
+    """The scorecard's results: best val loss, final val bpb, final HellaSwag."""
+    keys = {"best_val_loss": "best_val_loss", "val_bpb": "final_val_bpb", "hellaswag_acc": "hellaswag_acc", "hellaswag_acc_norm": "hellaswag_acc_norm"}  # fmt: skip
+    return {new: summary[old] for old, new in keys.items() if old in summary}

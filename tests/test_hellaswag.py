@@ -139,6 +139,22 @@ def test_two_ranks_give_what_one_gives(tmp_path, hellaswag_file):
         assert a[key] == b[key], key
 
 
+@pytest.mark.slow
+def test_compiled_and_autocast_scoring(hellaswag_file):
+    """torch.compile (batches of changing shapes) gives eager's losses; bfloat16 autocast gives
+    them to bfloat16 precision."""
+    tok = load_tokenizer("byte")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=257, block_size=128, n_layer=2, n_head=2, n_embd=32)).eval()
+    task = hs.HellaSwag(hs.load_examples(str(hellaswag_file), 12), tok, 128, batch_tokens=1024)
+    assert len({T for T, _ in task.batches}) > 2  # several shapes
+    eager = task.score(model, CPU, nullcontext())
+    compiled = task.score(torch.compile(model), CPU, nullcontext())
+    np.testing.assert_allclose(compiled.sum_loss, eager.sum_loss, rtol=1e-5, atol=1e-4)
+    bf16 = task.score(model, CPU, torch.autocast("cpu", dtype=torch.bfloat16))
+    np.testing.assert_allclose(bf16.sum_loss, eager.sum_loss, rtol=3e-2)
+
+
 def _write(tmp_path, lines) -> str:
     path = tmp_path / "h.jsonl"
     path.write_text("".join(line + "\n" for line in lines))
