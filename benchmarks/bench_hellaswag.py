@@ -9,6 +9,10 @@ forward-only tokens/s of the same model on random (micro_batch_size, seq_len) ba
 number of tokens per forward (what `gptrain bench` feeds a training step, without the backward).
 The target: scorer tokens/s >= 80% of forward-only tokens/s, padding <= 10%. With --limit the full
 set's time is extrapolated from the subset's tokens/s and the full set's token count (printed as such).
+
+On a shared machine the load changes while this runs, so the two are measured interleaved: the
+examples are scored in chunks of --chunk examples, and before each chunk the forward-only batch
+runs as many times as that chunk has batches; each side's tokens/s is its total over all chunks.
 """
 
 from __future__ import annotations
@@ -49,14 +53,13 @@ def model_for(name: str):
 
 
 @torch.no_grad()
-def forward_only(model, vocab: int, B: int, T: int, autocast, iters: int) -> float:
-    x = torch.randint(0, vocab, (B, T))
+def forward_only(model, x, autocast, iters: int) -> float:
+    """Seconds for `iters` forwards of the batch x."""
     with autocast:
-        model(x)  # warm-up
         t0 = time.perf_counter()
         for _ in range(iters):
             model(x)
-    return B * T * iters / (time.perf_counter() - t0)
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -65,7 +68,7 @@ def main() -> None:
     p.add_argument("--data", default=str(SHARED_HELLASWAG), help="hellaswag_val.jsonl or 'hellaswag'")  # fmt: skip
     p.add_argument("--limit", type=int, default=0, help="first N examples (0 = all 10,042)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--iters", type=int, default=5, help="timed forward-only batches")
+    p.add_argument("--chunk", type=int, default=50, help="examples per interleaved chunk")
     a = p.parse_args()
     torch.manual_seed(0)
     model, tok, seq_len, micro = model_for(a.model)
@@ -75,13 +78,22 @@ def main() -> None:
     batch_tokens = seq_len * micro
     full = hs.HellaSwag(hs.load_examples(a.data), tok, model.config.block_size, batch_tokens)
     full_tokens = sum(len(s) - 1 for s in full.seqs)
-    task = full if not a.limit else hs.HellaSwag(full.examples[: a.limit], tok, model.config.block_size, batch_tokens)  # fmt: skip
-    fwd = forward_only(model, tok.vocab_size, micro, seq_len, autocast, a.iters)
-    t0 = time.perf_counter()
-    result = task.score(model, DistInfo(), autocast)
-    seconds = time.perf_counter() - t0
-    tps = result.tokens / seconds
-    n = len(task.examples)
+    examples = full.examples[: a.limit] if a.limit else full.examples
+    x = torch.randint(0, tok.vocab_size, (micro, seq_len))
+    forward_only(model, x, autocast, 1)  # warm-up
+    seconds = fwd_seconds = 0.0
+    tokens = positions = truncated = fwd_batches = 0
+    for i in range(0, len(examples), a.chunk):
+        task = hs.HellaSwag(examples[i : i + a.chunk], tok, model.config.block_size, batch_tokens)
+        fwd_seconds += forward_only(model, x, autocast, len(task.batches))
+        fwd_batches += len(task.batches)
+        t0 = time.perf_counter()
+        result = task.score(model, DistInfo(), autocast)
+        seconds += time.perf_counter() - t0
+        tokens, positions = tokens + result.tokens, positions + result.positions
+        truncated += result.truncated
+    tps, fwd = tokens / seconds, fwd_batches * micro * seq_len / fwd_seconds
+    n = len(examples)
     print(
         f"model {a.model} ({model.num_params() / 1e6:.1f}M non-embedding params), dtype {a.dtype}, "
         f"{torch.get_num_threads()} threads, {batch_tokens} tokens per forward"
@@ -90,8 +102,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     est = "measured" if n == len(full.examples) else "extrapolated"
     print(
-        f"| {a.model} | {n:,} | {result.tokens:,} | {seconds:.1f} s | {tps:,.0f} | {fwd:,.0f} | {tps / fwd:.0%} | "
-        f"{task.padding_share():.2%} | {result.truncated:,} | {full_tokens / tps / 60:.1f} min ({est}, {full_tokens:,} tokens, padding {full.padding_share():.2%}) |"
+        f"| {a.model} | {n:,} | {tokens:,} | {seconds:.1f} s | {tps:,.0f} | {fwd:,.0f} | {tps / fwd:.0%} | "
+        f"{1 - tokens / positions:.2%} | {truncated:,} | {full_tokens / tps / 60:.1f} min ({est}, {full_tokens:,} tokens, padding {full.padding_share():.2%}) |"
     )
 
 

