@@ -7,6 +7,7 @@ gptrain sample --run runs/debug --prompt "ROMEO:"
 gptrain bench --config configs/bench.toml
 gptrain plot --run runs/debug
 gptrain export --run runs/debug --out exports/debug   # a Hugging Face GPT-2 folder
+gptrain eval --run runs/debug --tasks val,hellaswag   # or --hf DIR: any GPT-2 folder
 gptrain tokenizer train --input a.txt --vocab-size 4096 --out tok.json
 """
 
@@ -25,6 +26,7 @@ COMMANDS = {
     "bench": "gptrain.bench",
     "plot": "gptrain.plot",
     "export": "gptrain.export",
+    "eval": "gptrain.evaluate",
     "tokenizer": "gptrain.tokenizers",
 }
 

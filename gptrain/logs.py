@@ -9,6 +9,10 @@ Resume keeps every sink to one value per step: metrics.jsonl rows past the check
 TensorBoard hides the same events (`purge_step`), and W&B continues the same run (its id is kept
 in run.dir/wandb_run_id), where a step it already holds keeps its first value (exact resume
 recomputes the same numbers).
+
+In TensorBoard and W&B the curves are grouped by `tracker_key` (`train/loss`, `val/loss`,
+`hellaswag/acc_norm`, ...) against the step; metrics.jsonl keeps the flat keys. At the end,
+`scorecard` records the run's settings with its results (TensorBoard hparams, W&B run summary).
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ from pathlib import Path
 from gptrain.errors import UserError
 
 WANDB_ID_FILE = "wandb_run_id"
+GROUPS = ("val", "hellaswag")  # val_loss -> val/loss, hellaswag_acc -> hellaswag/acc; else train/
+
+
+def tracker_key(key: str) -> str:
+    """The grouped name a metrics.jsonl key gets in TensorBoard and W&B."""
+    group, _, rest = key.partition("_")
+    return f"{group}/{rest}" if group in GROUPS and rest else f"train/{key}"
 
 
 def require_packages(tensorboard: bool, wandb_project: str) -> None:
@@ -61,6 +72,22 @@ def rewind_metrics(run_dir: str | Path, step: int) -> int:
     return len(lines) - len(kept)
 
 
+def best_val(run_dir: str | Path, best: dict) -> dict:
+    """{best_val_loss, best_val_step}: the lowest val_loss among metrics.jsonl's rows and `best`
+    (a checkpoint's record), so an eval that ran after its step's checkpoint still counts."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = path.read_text().splitlines() if path.is_file() else []
+    for line in rows:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        loss = row.get("val_loss")
+        if isinstance(loss, (int, float)) and loss < best.get("best_val_loss", float("inf")):
+            best = {"best_val_loss": loss, "best_val_step": row.get("step", 0)}
+    return best
+
+
 class NullLogger:
     """What non-main ranks get: every call does nothing."""
 
@@ -71,6 +98,9 @@ class NullLogger:
         pass
 
     def rewind(self, step: int) -> None:
+        pass
+
+    def scorecard(self, hparams: dict, metrics: dict) -> None:
         pass
 
     def close(self) -> None:
@@ -144,11 +174,12 @@ class RunLogger(NullLogger):
 
     def log(self, step: int, metrics: dict) -> None:
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        for key, value in metrics.items():
+        grouped = {tracker_key(k): v for k, v in metrics.items()}
+        for key, value in grouped.items():
             if self.tb is not None and isinstance(value, (int, float)):
                 self.tb.add_scalar(key, value, step)
         if self.wandb is not None and step > self.wandb_step:
-            self.wandb.log(metrics, step=step)
+            self.wandb.log(grouped, step=step)
             self.wandb_step = step
 
     def rewind(self, step: int) -> None:
@@ -156,6 +187,17 @@ class RunLogger(NullLogger):
         self.jsonl.close()
         rewind_metrics(self.dir, step)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+
+    def scorecard(self, hparams: dict, metrics: dict) -> None:
+        """The run's settings with its results: TensorBoard's hparams table (metrics under
+        `scorecard/`), and the W&B run summary (settings under `hparams/`)."""
+        results = {f"scorecard/{k}": v for k, v in metrics.items()}
+        if self.tb is not None:
+            self.tb.add_hparams(hparams, results, run_name=".")
+        if self.wandb is not None:
+            self.wandb.summary.update(
+                {**results, **{f"hparams/{k}": v for k, v in hparams.items()}}
+            )
 
     def text(self, line: str, echo: bool = True) -> None:
         self.textlog.write(line + "\n")
@@ -169,3 +211,26 @@ class RunLogger(NullLogger):
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def scorecard_hparams(cfg, arch, tokens: int, train_tokens: int) -> dict:
+    """The settings the trackers' scorecard (TensorBoard hparams, W&B summary) records.
+    Peak lr and weight decay are read here only."""
+    t, o = cfg.train, cfg.optim
+    return {
+        "optimizer": o.name,
+        "peak_lr": o.lr,
+        "weight_decay": o.weight_decay,
+        "steps": t.max_steps,
+        "n_layer": arch.n_layer,
+        "n_embd": arch.n_embd,
+        "seq_len": t.seq_len,
+        "total_tokens": tokens,
+        "epochs": tokens / max(train_tokens, 1),  # passes through the training split
+    }
+
+
+def scorecard_metrics(summary: dict) -> dict:
+    """The scorecard's results: best val loss, final val bpb, final HellaSwag."""
+    keys = {"best_val_loss": "best_val_loss", "val_bpb": "final_val_bpb", "hellaswag_acc": "hellaswag_acc", "hellaswag_acc_norm": "hellaswag_acc_norm"}  # fmt: skip
+    return {new: summary[old] for old, new in keys.items() if old in summary}

@@ -1,4 +1,4 @@
-"""`gptrain plot --run DIR`: train and validation loss against tokens, from metrics.jsonl.
+"""`gptrain plot --run DIR`: train and validation loss (and HellaSwag, when scored) against tokens.
 
 gptrain plot --run runs/debug            # writes runs/debug/loss.png
 """
@@ -30,7 +30,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write loss.png (train loss and val loss against tokens seen); returns its path."""
+    """Write loss.png (train and val loss against tokens seen; HellaSwag accuracy in a second
+    panel when the run scored it); returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,7 +39,19 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     rows = read_metrics(run_dir)
     out = Path(out or Path(run_dir) / "loss.png")
-    fig, ax = plt.subplots(figsize=(8, 5))
+    hella = [(r["tokens"], r["hellaswag_acc"], r["hellaswag_acc_norm"]) for r in rows if "hellaswag_acc_norm" in r]  # fmt: skip
+    if hella:
+        fig, (ax, hx) = plt.subplots(1, 2, figsize=(13, 5))
+        tokens, acc, acc_norm = zip(*hella, strict=True)
+        hx.plot(tokens, acc_norm, "o-", label="HellaSwag acc_norm")
+        hx.plot(tokens, acc, "s--", label="HellaSwag acc")
+        hx.axhline(0.25, color="gray", lw=0.8, label="chance")
+        hx.set_xlabel("tokens")
+        hx.set_ylabel("accuracy")
+        hx.grid(alpha=0.3)
+        hx.legend()
+    else:
+        fig, ax = plt.subplots(figsize=(8, 5))
     train = [(r["tokens"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
     if train:

@@ -33,7 +33,15 @@ from gptrain.config import Config, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
 from gptrain.guard import NonFinite, NonFiniteStop, Preemption, roll_back
-from gptrain.logs import NullLogger, RunLogger, require_packages
+from gptrain.hellaswag import task_for
+from gptrain.logs import (
+    NullLogger,
+    RunLogger,
+    best_val,
+    require_packages,
+    scorecard_hparams,
+    scorecard_metrics,
+)
 from gptrain.metrics import format_duration, measure_peak_flops, mfu, synchronize
 
 
@@ -77,6 +85,9 @@ def train_step(
         guard.step(optimizer, scaler, grad_norm, step)
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
+
+
+EVAL_KEYS = ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm")
 
 
 def train(cfg: Config, info: dist.DistInfo) -> dict:
@@ -131,6 +142,8 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
     fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
     nonfinite = NonFinite(t.nonfinite, t.max_skips, optimizer, scaler, info.device, fsdp)
+    hellaswag = task_for(cfg.eval.hellaswag, cfg.eval.hellaswag_limit, tokenizer, model.config.block_size, mb * t.seq_len, info)  # fmt: skip
+    best = {k: saved[k] for k in ("best_val_loss", "best_val_step") if k in saved}
     step, tokens_seen, elapsed_before, rollbacks = 0, 0, 0.0, 0
     if ckpt is not None:
         ts = sharded.restore_training(ckpt, saved, model, optimizer, loader, info)
@@ -158,6 +171,8 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         default=NullLogger(),
     )
     if info.is_main:
+        if ckpt:  # a checkpoint is written before its step's eval: that eval is in metrics.jsonl
+            best = best_val(run_dir, best)
         (open(os.path.join(run_dir, "config.toml"), "w")).write(to_toml(cfg))
         if cfg.log.progress:
             from tqdm import tqdm
@@ -187,7 +202,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     }
 
     def save(step: int):
-        meta_now = {**meta, "tokens": tokens_seen}
+        meta_now = {**meta, "tokens": tokens_seen, **best}
         state = {
             "step": step,
             "tokens": tokens_seen,
@@ -202,6 +217,10 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         dist.on_main(info, lambda: retention.prune(run_dir, step, c.keep_last, c.keep_every))
         logger.text(f"step {step}: checkpoint {path}")
         return path
+
+    def hellaswag_due(step: int) -> bool:
+        every = cfg.eval.hellaswag_every
+        return hellaswag is not None and (step == t.max_steps or (every > 0 and step % every == 0))
 
     def run_eval_and_sample(step: int, eval_now: bool, sample_now: bool) -> dict:
         out = {}
@@ -218,6 +237,19 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             )
             logger.text(
                 f"step {step}: val loss {out['val_loss']:.4f}, val bpb {out['val_bpb']:.4f}"
+            )
+            if out["val_loss"] < best.get("best_val_loss", math.inf):
+                best.update(best_val_loss=out["val_loss"], best_val_step=step)
+        if hellaswag_due(step):
+            result = hellaswag.score(wrapped, info, autocast)
+            out.update(result.metrics())
+            logger.text(
+                f"step {step}: hellaswag acc {result.acc:.4f}, acc_norm {result.acc_norm:.4f} ({len(result.labels)} examples"
+                + (
+                    f", {result.truncated} truncated on the left to the model's context)"
+                    if result.truncated
+                    else ")"
+                )
             )
         if sample_now:  # every rank generates (FSDP needs all ranks in each forward); main prints
             with autocast:
@@ -268,6 +300,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             eval_now = last or (cfg.eval.every > 0 and step % cfg.eval.every == 0)
             sample_now = last or (cfg.eval.sample_every > 0 and step % cfg.eval.sample_every == 0)
             log_now = step % cfg.log.every == 0 or last or eval_now or sample_now
+            log_now = log_now or hellaswag_due(step)
             save_now = last or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
             stop = preemption.agreed()  # one tiny CPU all-reduce: did any rank get SIGTERM/USR1?
             if log_now or save_now or stop:  # steps that sync anyway: the non-finite policy
@@ -305,9 +338,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                 saved_path = save(step)
             if log_now:
                 metrics.update(run_eval_and_sample(step, eval_now, sample_now))
-                last_val = {
-                    k: metrics[k] for k in ("val_loss", "val_bpb") if k in metrics
-                } or last_val
+                last_val.update({k: v for k, v in metrics.items() if k in EVAL_KEYS})
                 logger.log(step, metrics)
                 if bar:
                     bar.set_postfix(
@@ -359,6 +390,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         "tokens": tokens_seen,
         "train_loss": last_loss,
         **last_val,
+        **best,
         "elapsed_s": elapsed,
         "tok_per_s": tok_per_s,
         "mfu": mfu_now,
@@ -371,6 +403,11 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         plot_path = plot_run(run_dir)
+        train_tokens = sum(len(s) for s in dataset.shards["train"])
+        logger.scorecard(
+            scorecard_hparams(cfg, model.config, tokens_seen, train_tokens),
+            scorecard_metrics(summary),
+        )
         logger.text(
             f"done: {step} steps, {tokens_seen:,} tokens in {format_duration(elapsed)}; train loss {last_loss:.4f}"
             + (

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gptrain.errors import UserError
-from gptrain.logs import WANDB_ID_FILE, NullLogger, RunLogger, rewind_metrics
+from gptrain.logs import WANDB_ID_FILE, NullLogger, RunLogger, rewind_metrics, tracker_key
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
@@ -30,8 +30,14 @@ def tensorboard_scalars(log_dir) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-def wandb_history(run_dir) -> list[list[dict]]:
-    """The history rows of each W&B offline run under run_dir/wandb, oldest first.
+def grouped(row: dict) -> dict:
+    """A metrics.jsonl row with the grouped names TensorBoard and W&B use (`step` kept)."""
+    return {k if k == "step" else tracker_key(k): v for k, v in row.items()}
+
+
+def wandb_history(run_dir, summary: dict | None = None) -> list[list[dict]]:
+    """The history rows of each W&B offline run under run_dir/wandb, oldest first (and the
+    run summary's items collected into `summary` when given).
 
     The .wandb file is a LevelDB-style log (a 7-byte ':W&B' header, then records in 32 KiB blocks,
     each chunk with a 7-byte header: crc32c, length, type) of wandb's protobuf Records.
@@ -60,6 +66,9 @@ def wandb_history(run_dir) -> list[list[dict]]:
                         for i in record.history.item
                     }
                     rows.append({k: v for k, v in items.items() if not k.startswith("_")} | {"step": items["_step"]})  # fmt: skip
+                elif record.WhichOneof("record_type") == "summary" and summary is not None:
+                    for i in record.summary.update:
+                        summary[i.key or "/".join(i.nested_key)] = json.loads(i.value_json)
         runs.append((path.parent.name, rows))
     return [rows for _name, rows in runs]
 
@@ -106,7 +115,7 @@ def test_run_that_crashed_before_its_first_checkpoint_starts_its_logs_over(tmp_p
             logger.log(step, {"loss": 10.0 * attempt + step})
         logger.close()
     assert jsonl(tmp_path) == [{"step": 0, "loss": 20.0}, {"step": 2, "loss": 22.0}]
-    assert tensorboard_scalars(tmp_path / "tb") == {"loss": {0: 20.0, 2: 22.0}}
+    assert tensorboard_scalars(tmp_path / "tb") == {"train/loss": {0: 20.0, 2: 22.0}}
 
 
 def test_tensorboard_and_wandb_get_what_metrics_jsonl_gets(tmp_path, offline_wandb):
@@ -119,10 +128,12 @@ def test_tensorboard_and_wandb_get_what_metrics_jsonl_gets(tmp_path, offline_wan
     rows = jsonl(tmp_path)
     tb = tensorboard_scalars(tmp_path / "tb")
     for key in ("loss", "lr", "tokens"):
-        assert tb[key] == pytest.approx({r["step"]: r[key] for r in rows if key in r})
-    assert tb["val_loss"] == {10: 2.5}
+        assert tb[f"train/{key}"] == pytest.approx({r["step"]: r[key] for r in rows if key in r})
+    assert tb["val/loss"] == {10: 2.5}
     (history,) = wandb_history(tmp_path)
-    assert history == rows[:3]  # W&B steps only increase: step 10's second row is not re-sent
+    assert history == [
+        grouped(r) for r in rows[:3]
+    ]  # W&B steps only increase: step 10's second row is not re-sent
     assert (tmp_path / WANDB_ID_FILE).read_text().strip()
 
 
@@ -151,12 +162,14 @@ def test_resumed_run_shows_each_step_once_in_every_logger(byte_data, tmp_path, o
     assert final[3]["loss"] != first[3]["loss"]  # redone with another lr
     tb = tensorboard_scalars(run_dir / "tb")
     for key in ("loss", "lr", "val_loss"):
-        assert tb[key] == pytest.approx({r["step"]: r[key] for r in final if key in r})
+        assert tb[tracker_key(key)] == pytest.approx({r["step"]: r[key] for r in final if key in r})
     assert (run_dir / WANDB_ID_FILE).read_text().strip() == run_id
     assert all(run_id in p.name for p in run_dir.glob("wandb/offline-run-*"))
     before, after = wandb_history(run_dir)
-    assert before == first
-    assert after == final[3:]  # the resumed process sent the redone steps under the same run id
+    assert before == [grouped(r) for r in first]
+    assert after == [
+        grouped(r) for r in final[3:]
+    ]  # the resumed process sent the redone steps under the same run id
 
 
 def test_wandb_that_cannot_start_is_one_line_exit_2(byte_data, tmp_path):
@@ -186,3 +199,42 @@ def test_missing_logging_packages_are_one_line_errors(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="pip install wandb"):
         RunLogger(tmp_path, wandb_project="proj")
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before writing anything
+
+
+def test_tracker_keys_are_grouped():
+    assert [tracker_key(k) for k in ("loss", "tok_per_s", "val_loss", "val_bpb", "hellaswag_acc_norm")] == [  # fmt: skip
+        "train/loss", "train/tok_per_s", "val/loss", "val/bpb", "hellaswag/acc_norm",
+    ]  # fmt: skip
+
+
+def tensorboard_hparams(log_dir) -> dict:
+    """The hparams TensorBoard shows for the run (its session-start plugin record)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")
+    data = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    return {k: v.number_value for k, v in data.session_start_info.hparams.items()}
+
+
+def test_scorecard_reaches_tensorboard_hparams_and_wandb_summary(tmp_path, offline_wandb):
+    pytest.importorskip("tensorboard", reason="tensorboard not installed")
+    logger = RunLogger(tmp_path, tensorboard=True, wandb_project="gptrain-test")
+    logger.log(1, {"loss": 2.0})
+    hparams = {"peak_lr": 6e-4, "steps": 10, "n_layer": 2, "epochs": 0.5}
+    results = {"best_val_loss": 1.5, "final_val_bpb": 2.25, "hellaswag_acc_norm": 0.25}
+    logger.scorecard(hparams, results)
+    logger.close()
+    assert tensorboard_hparams(tmp_path / "tb") == pytest.approx(hparams)
+    tb = tensorboard_scalars(tmp_path / "tb")
+    assert {k: v for k, v in tb.items() if k.startswith("scorecard/")} == {
+        f"scorecard/{k}": {0: pytest.approx(v)} for k, v in results.items()
+    }
+    summary: dict = {}
+    wandb_history(tmp_path, summary)
+    for k, v in results.items():
+        assert summary[f"scorecard/{k}"] == pytest.approx(v)
+    for k, v in hparams.items():
+        assert summary[f"hparams/{k}"] == pytest.approx(v)
