@@ -439,11 +439,16 @@ def accumulation_steps(
     per_micro_step = micro_batch_size * seq_len * world_size
     if total_batch_size % per_micro_step == 0:
         return total_batch_size // per_micro_step
-    lower = max(per_micro_step, total_batch_size // per_micro_step * per_micro_step)
-    upper = lower + per_micro_step if lower <= total_batch_size else lower
+    lower = total_batch_size // per_micro_step * per_micro_step
+    totals = " or ".join(str(v) for v in (lower, lower + per_micro_step) if v > 0)
+    fix = f"nearest valid totals: {totals}"
+    if total_batch_size % (seq_len * world_size) == 0:  # a smaller micro-batch divides
+        n = total_batch_size // (seq_len * world_size)
+        best = max(d for d in range(1, micro_batch_size) if n % d == 0)
+        fix += f"; or train.micro_batch_size={best} (or auto)"
     raise UserError(
         f"train.total_batch_size = {total_batch_size} is not a multiple of train.micro_batch_size ({micro_batch_size}) "
-        f"x train.seq_len ({seq_len}) x world size ({world_size}) = {per_micro_step}; nearest valid totals: {lower} or {upper}"
+        f"x train.seq_len ({seq_len}) x world size ({world_size}) = {per_micro_step}; {fix}"
     )
 
 

@@ -3,7 +3,8 @@
 The budget is the first eval.tokens // seq_len windows of the val split: the same tokens on every
 run and world size. Sums (loss x tokens, tokens, bytes) are all-reduced once, so the result is the
 exact token mean over all ranks. Bits per byte = total nats / ln 2 / total UTF-8 bytes of the
-target tokens: comparable across tokenizers.
+target tokens: comparable across tokenizers. Each batch goes through the model's loss path
+(`model(x, y)`: chunked cross-entropy, the (B, T, V) logits never exist), never through logits.
 """
 
 from __future__ import annotations

@@ -346,8 +346,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads):
     """(sum of the per-row losses, number of counted rows, d sum/dx, d sum/dweight) chunk by chunk.
 
-    The gradients are of the loss SUM (softmax - one-hot, without the 1/N of the mean), so their
-    matmul inputs stay in [-1, 1] and cannot underflow in float16; the caller scales them.
+    The gradients are of the loss SUM (softmax - one-hot, without the 1/N of the mean): their
+    matmul inputs are in [-1, 1], not [-1/N, 1/N], so float16 (which has no GradScaler factor
+    here) keeps them as well as it keeps the plain path's scaled gradients; the caller scales.
     """
     N, padded_vocab = x.size(0), weight.size(0)
     acc = torch.promote_types(weight.dtype, torch.float32)  # float32 (float64 stays float64)
@@ -357,11 +358,8 @@ def _chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads):
     grad_x = torch.empty_like(x) if with_grads else None  # (N, C)
     grad_w = torch.zeros(weight.shape, dtype=acc, device=x.device) if with_grads else None
     for start in range(0, N, chunk_rows):
-        x_c, t_c = (
-            x[start : start + chunk_rows],
-            targets[start : start + chunk_rows],
-        )  # (n, C), (n,)
-        keep = keep_all[start : start + chunk_rows]
+        rows = slice(start, start + chunk_rows)
+        x_c, t_c, keep = x[rows], targets[rows], keep_all[rows]  # (n, C), (n,), (n,)
         logits = (x_c @ weight.t()).to(acc)  # (n, padded V)
         if padded_vocab > vocab_size:
             logits[:, vocab_size:] = float("-inf")  # padded ids: probability 0
@@ -374,6 +372,6 @@ def _chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads):
             grad.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))
             grad.mul_(keep[:, None])  # ignored rows contribute nothing
             grad = grad.to(weight.dtype)
-            grad_x[start : start + chunk_rows] = grad @ weight  # (n, C)
+            grad_x[rows] = grad @ weight  # (n, C)
             grad_w += grad.t() @ x_c  # (padded V, C), accumulated in float32
     return loss_sum, n_valid, grad_x, grad_w
