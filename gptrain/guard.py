@@ -87,6 +87,9 @@ class NonFinite:
             self.scaler.unscale_(optimizer)  # x 1.0; records whether any gradient is NaN/inf
             self.scaler.step(optimizer)  # the fused kernel skips the update on the device
             self.scaler.update(1.0)
+        elif scaler.is_enabled():  # float16: the scaler skips such a step and lowers its scale
+            scaler.step(optimizer)
+            scaler.update()
         elif not bad.item():  # host-side check: the only way for an optimizer without found_inf
             scaler.step(optimizer)
             scaler.update()

@@ -10,6 +10,7 @@ UserError before anything starts.
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import sys
 import time
@@ -19,6 +20,9 @@ import torch
 from gptrain.config import DistConfig
 from gptrain.dist import cpu_cores, first_line
 from gptrain.errors import UserError
+
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # torchrun's defaults + USR1
+SHUTDOWN_S = 120  # seconds the workers get to save after a forwarded signal
 
 
 def nproc_for(spec: str) -> int:
@@ -85,6 +89,7 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
     Returns 0, 2 for bad input (every failed worker exited with 2 after printing one line, or the
     rendezvous could not be reached), else 1."""
     from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
@@ -94,9 +99,20 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
         args += [f"--rdzv_endpoint={cfg.rdzv_endpoint}", f"--rdzv_id={cfg.rdzv_id}"]
     else:
         args = ["--standalone"]
+    # SIGTERM and SIGUSR1 (preemption, see guard.py) are forwarded to the workers, which save at
+    # their next step; they get SHUTDOWN_S seconds before the launcher kills them
+    args += [f"--signals-to-handle={','.join(FORWARDED)}", f"--shutdown-timeout={SHUTDOWN_S}"]
     args += [f"--nproc_per_node={nproc}", "-m", "gptrain", "train", *argv]
     try:
         torch_run.main(args)
+    except SignalException as e:
+        if e.sigval not in (signal.SIGTERM, signal.SIGUSR1):
+            raise KeyboardInterrupt from None
+        print(
+            f"gptrain: stopped by {e.sigval.name}: the workers were given up to {SHUTDOWN_S} s to save a checkpoint at their next step; run the same command to resume",
+            file=sys.stderr,
+        )
+        return 0
     except ChildFailedError as e:  # the workers printed their own errors already
         codes = sorted({f.exitcode for f in e.failures.values()})
         ranks = ", ".join(map(str, sorted(e.failures)))

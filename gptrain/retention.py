@@ -102,12 +102,17 @@ def problem(path: Path) -> str | None:
     for name in (".metadata" if sharded else "model.safetensors", "state.pt"):
         if not (path / name).is_file():
             return f"incomplete (no {name})"
-    for name in meta.get("files", {}) if isinstance(meta, dict) else ():
+    files = meta.get("files", {}) if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and {"bytes", "sha256"} <= v.keys() for v in files.values()
+    ):
+        return "meta.json is malformed (no valid file records)"
+    for name, want in files.items():
         try:
             checkpoint.verify_file(path / name, meta)
         except UserError:
             got = (path / name).stat().st_size if (path / name).is_file() else -1
-            return f"{name} fails its hash ({got} bytes, meta.json recorded {meta['files'][name]['bytes']})"
+            return f"{name} fails its hash ({got} bytes, meta.json recorded {want['bytes']})"
     return None
 
 

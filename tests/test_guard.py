@@ -330,3 +330,48 @@ def test_sigterm_to_one_rank_saves_exits_0_and_the_rerun_equals_an_uninterrupted
     for k in a:
         assert torch.equal(a[k], b[k]), (k, step)
     assert [r["step"] for r in rows(cut) if "loss" in r] == list(range(1, 41))
+
+
+@pytest.mark.slow
+def test_sigusr1_to_gptrains_own_launcher_reaches_the_workers(byte_data, tmp_path):
+    """`gptrain train --dist.nproc_per_node=2` (torch.distributed.run underneath) forwards SIGUSR1
+    (Slurm's --signal) to its workers: they save and the launcher exits 0."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import dist_helpers as h
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    cmd += [f"--run.dir={run_dir}", "--dist.nproc_per_node=2", "--train.max_steps=200", *h.FAST]
+    proc = subprocess.Popen(cmd, env=h.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and '"step": 3,' in metrics.read_text():
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped by SIGUSR1" in out + err and "run the same command to resume" in out + err
+    assert 3 <= checkpoint.load_meta(checkpoint.latest(run_dir))["step"] < 200
+
+
+def test_a_step_that_saves_and_evaluates_saves_first(byte_data, tmp_path, monkeypatch):
+    """An eval that dies (out of memory) on a step that also saves cannot cost its checkpoint."""
+    import gptrain.train as gtrain
+
+    calls = []
+
+    def failing_eval(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # the first is the untrained baseline at step 0; then step 2
+            raise RuntimeError("out of memory (simulated)")
+        return 5.0, 7.0
+
+    monkeypatch.setattr(gtrain, "evaluate", failing_eval)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run(byte_data, tmp_path / "run", "train.max_steps=4", "checkpoint.every=2", *QUICK[1:], "eval.every=2")  # fmt: skip
+    assert checkpoint.latest(tmp_path / "run").name == "step_00000002"
