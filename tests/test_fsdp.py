@@ -233,3 +233,19 @@ def test_gpu_check_on_this_gpu_node():
     done = _gpu_check()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "MISMATCH" not in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_without_a_shared_filesystem_is_one_line(byte_data, tmp_path):
+    """FSDP2 ranks in different working directories with a relative run.dir (two nodes without
+    a shared filesystem): the save is refused on every rank with one line; nothing is published."""
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    for c in cwds:
+        c.mkdir()
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", "--run.dir=run", "--dist.mode=fsdp", "--train.max_steps=1", "--train.micro_batch_size=4", *h.FAST]  # fmt: skip
+    results = h.wait_all(h.spawn(args, cwds=cwds), 300)
+    needles = ["need run.dir on a filesystem every node sees", "another rank failed"]
+    for (rc, _, err), needle in zip(results, needles, strict=True):
+        assert rc == 2, err[-2000:]
+        assert needle in err.strip().splitlines()[-1], err[-2000:]
+    assert not (cwds[0] / "run" / "checkpoints" / "latest").exists()
