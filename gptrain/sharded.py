@@ -73,6 +73,12 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
     rng = checkpoint._rng_state(info.device)
     gathered = [None] * info.world_size
     tdist.all_gather_object(gathered, (records, rng), group=group)
+    error = ""
+    if info.is_main:  # every rank's shards must be in rank 0's folder: one filesystem for all
+        missing = [n for g in gathered for n in g[0] if not (tmp / n).is_file()]
+        if missing:
+            error = f"FSDP2 checkpoint step {step}: {missing[0]} written by another rank is not in {tmp} as rank 0 sees it; sharded checkpoints need run.dir on a filesystem every node sees (shared), or use dist.mode=ddp"
+    gdist.raise_on_every_rank(error)
     path = None
     if info.is_main:
         state = {

@@ -203,3 +203,49 @@ def test_restarted_attempt_sees_no_keys_of_the_failed_one():
     ((rc, out, err),) = h.wait_all([proc], 200)
     assert rc == 0, err[-3000:]
     assert sorted(out.split("\n"))[-2:] == ["rank 0 attempt 1 stale=False", "rank 1 attempt 1 stale=False"]  # fmt: skip
+
+
+def _gpu_check(*args):
+    import subprocess
+    import sys
+
+    script = h.REPO / "benchmarks" / "gpu_check.sh"
+    env = h.env(PYTHON=sys.executable)
+    return subprocess.run([str(script), *args], env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_prints_its_table():
+    """benchmarks/gpu_check.sh --dry-run: every row of the GPU proof run, on tiny CPU models."""
+    done = _gpu_check("--dry-run")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 5, done.stdout
+    assert [r.endswith("| OK |") for r in rows[1:4]] == [True] * 3, done.stdout
+    assert "sharded checkpoint save" in rows[4] and "peak" in rows[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_check_on_this_gpu_node():
+    """The real proof run: every equality row OK on the GPUs of this machine."""
+    done = _gpu_check()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "MISMATCH" not in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_without_a_shared_filesystem_is_one_line(byte_data, tmp_path):
+    """FSDP2 ranks in different working directories with a relative run.dir (two nodes without
+    a shared filesystem): the save is refused on every rank with one line; nothing is published."""
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    for c in cwds:
+        c.mkdir()
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", "--run.dir=run", "--dist.mode=fsdp", "--train.max_steps=1", "--train.micro_batch_size=4", *h.FAST]  # fmt: skip
+    results = h.wait_all(h.spawn(args, cwds=cwds), 300)
+    needles = ["need run.dir on a filesystem every node sees", "another rank failed"]
+    for (rc, _, err), needle in zip(results, needles, strict=True):
+        assert rc == 2, err[-2000:]
+        assert needle in err.strip().splitlines()[-1], err[-2000:]
+    assert not (cwds[0] / "run" / "checkpoints" / "latest").exists()

@@ -1,0 +1,227 @@
+"""The GPU proof run (issue 8): one table that says whether gptrain works on this CUDA node.
+
+    benchmarks/gpu_check.sh              # on a CUDA machine: every GPU of the node
+    benchmarks/gpu_check.sh --dry-run    # CPU, tiny models, 2 gloo ranks, no compile row:
+                                         # checks the script itself (tests/test_fsdp.py)
+
+Rows (each a real `gptrain train` run, started the way a user starts it):
+  1. GPT-2 124M (12 x 768; byte-level vocabulary, see below) on one GPU, compile off and on:
+     tokens/s, MFU against the measured peak, peak memory (torch.cuda.max_memory_allocated)
+  2. DDP and FSDP2 on all GPUs of the node: the final loss equals the 1-GPU run's within bf16
+     tolerance (the same global batches, see README "Distributed training")
+  3. kill and resume: an FSDP2 run killed (SIGKILL) after its first checkpoint and started again
+     ends with the uninterrupted run's loss
+  4. GPT-2 XL (48 x 1600) under FSDP2 with activation checkpointing: peak memory per GPU and the
+     wall time of one sharded checkpoint save
+The data is this machine's own Python sources (torch's), byte-tokenised by `gptrain prepare`: the
+node needs no network. The vocabulary is therefore 257 (GPT-2's 50257 adds 38M embedding
+parameters); the architecture is GPT-2's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MB = 2**20
+
+
+def worker(out: str, overrides: list[str]) -> None:
+    """One rank of a training run: train(), then record peak memory and checkpoint save times."""
+    import resource
+
+    import torch
+
+    from gptrain import dist, sharded
+    from gptrain.config import load_config
+    from gptrain.train import train
+
+    save_s: list[float] = []
+    original = sharded.save_training
+
+    def timed_save(*args, **kwargs):
+        t0 = time.perf_counter()
+        path = original(*args, **kwargs)
+        save_s.append(time.perf_counter() - t0)
+        return path
+
+    sharded.save_training = timed_save
+    cfg = load_config(None, overrides)
+    info = dist.DistInfo.from_env(cfg.train.device)
+    dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
+    try:
+        summary = train(cfg, info)
+        if info.device_type == "cuda":
+            peak = torch.cuda.max_memory_allocated(info.device) / MB
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peaks = [peak]
+        if dist.active():
+            peaks = [None] * info.world_size
+            torch.distributed.all_gather_object(peaks, peak)
+        if info.is_main:
+            record = {**summary, "peak_mib": max(peaks), "save_s": save_s}
+            Path(out).write_text(json.dumps(record))
+    finally:
+        dist.teardown()
+
+
+class Check:
+    def __init__(self, dry: bool, work: Path):
+        import torch
+
+        self.dry, self.work = dry, work
+        self.gpus = 2 if dry else torch.cuda.device_count()
+        self.device = "cpu" if dry else "cuda"
+        self.rows: list[tuple[str, str, str]] = []
+        self.data = self.prepare_data()
+
+    def prepare_data(self) -> Path:
+        import torch
+
+        src = Path(torch.__file__).parent
+        files = sorted(src.rglob("*.py"))[: 20 if self.dry else 4000]
+        text = self.work / "corpus.txt"
+        with open(text, "w", encoding="utf-8") as f:
+            for p in files:
+                f.write(p.read_text(encoding="utf-8", errors="replace"))
+        out = self.work / "data"
+        self.cli(["prepare", "--input", str(text), "--out", str(out), "--tokenizer", "byte"])
+        return out
+
+    def cli(self, args: list[str], timeout: float = 3600) -> None:
+        cmd = [sys.executable, "-m", "gptrain", *args]  # prepare
+        done = subprocess.run(cmd, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
+
+    def env(self) -> dict:
+        return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+
+    def overrides(self, run: str, model: str, steps: int, *extra: str) -> list[str]:
+        if self.dry:  # tiny: the script's own logic, in seconds on a CPU
+            size = ["model.preset=tiny", "train.seq_len=64", "train.micro_batch_size=4", "train.total_batch_size=1024", "train.dtype=float32"]  # fmt: skip
+        else:
+            size = [f"model.preset={model}", "train.seq_len=1024", "train.micro_batch_size=16", f"train.total_batch_size={16 * 1024 * self.gpus * 2}", "train.dtype=bfloat16"]  # fmt: skip
+        return [
+            f"data.dir={self.data}",
+            f"run.dir={self.work / run}",
+            f"train.max_steps={steps}",
+            f"train.device={self.device}",
+            "eval.every=0",
+            "eval.sample_every=0",
+            "log.progress=false",
+            "log.every=1",
+            "optim.warmup_steps=1",
+            "checkpoint.every=0",
+            *size,
+            *extra,
+        ]
+
+    def train(self, name: str, nproc: int, overrides: list[str], kill_after_ckpt: bool = False) -> dict:  # fmt: skip
+        out = self.work / f"{name}.json"
+        args = [str(Path(__file__).resolve()), "--worker", str(out), *(f"--{o}" for o in overrides)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        if kill_after_ckpt:
+            run_dir = Path(next(o for o in overrides if o.startswith("run.dir=")).split("=", 1)[1])
+            while proc.poll() is None and not (run_dir / "checkpoints" / "latest").is_file():
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a node failure would
+            proc.wait()
+            return {}
+        log, _ = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise SystemExit(f"failed: {' '.join(cmd)}\n{log[-3000:]}")
+        return json.loads(out.read_text())
+
+    def run(self) -> None:
+        steps = 3 if self.dry else 30
+        n = self.gpus
+        single = {}
+        for compile in (False,) if self.dry else (False, True):  # CPU inductor: minutes
+            r = self.train(f"one_{compile}", 1, self.overrides(f"one_{compile}", "gpt2", steps, f"train.compile={str(compile).lower()}"))  # fmt: skip
+            single[compile] = r
+            self.rows.append((f"GPT-2 124M, 1 {self.device}, compile {'on' if compile else 'off'}", f"{r['tok_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%}", f"peak {r['peak_mib']:,.0f} MiB"))  # fmt: skip
+        ref = single[False]["train_loss"]
+        tol = 1e-4 if self.dry else 2e-2
+        for mode in ("ddp", "fsdp"):
+            r = self.train(mode, n, self.overrides(mode, "gpt2", steps, f"dist.mode={mode}"))
+            ok = abs(r["train_loss"] - ref) <= tol * abs(ref)
+            self.rows.append((f"GPT-2 124M, {mode.upper()} x {n}", f"loss {r['train_loss']:.4f} vs 1 {self.device} {ref:.4f}", "OK" if ok else "MISMATCH"))  # fmt: skip
+        self.rows.append(self.kill_and_resume(n, 8 if self.dry else steps))
+        xl = self.train("xl", n, self.overrides("xl", "gpt2-xl", 4 if not self.dry else 2, "dist.mode=fsdp", "train.activation_checkpointing=blocks", "checkpoint.every=1"))  # fmt: skip
+        self.rows.append((f"GPT-2 XL, FSDP2 x {n}, activation checkpointing", f"peak {xl['peak_mib']:,.0f} MiB per rank, {xl['tok_per_s']:,.0f} tok/s", f"sharded checkpoint save {min(xl['save_s']):.1f} s"))  # fmt: skip
+
+    def kill_and_resume(self, n: int, steps: int) -> tuple[str, str, str]:
+        """FSDP2 killed after its first checkpoint, started again: its final weights vs an
+        uninterrupted run's (bit for bit on CPU; bf16 GPU kernels may differ in the last bits)."""
+        from gptrain import checkpoint
+
+        every = max(steps // 6, 1)
+        args = ("dist.mode=fsdp", f"checkpoint.every={every}")
+        self.train("resume_full", n, self.overrides("resume_full", "gpt2", steps, *args))
+        cut = self.overrides("resume_cut", "gpt2", steps, *args)
+        self.train("resume_cut", n, cut, kill_after_ckpt=True)
+        killed_at = checkpoint.latest(self.work / "resume_cut").name
+        self.train("resume_cut", n, cut)
+        a = checkpoint.load_model_state(checkpoint.latest(self.work / "resume_full"))[0]
+        b = checkpoint.load_model_state(checkpoint.latest(self.work / "resume_cut"))[0]
+        diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+        ok = diff <= (0.0 if self.dry else 1e-2)
+        name = f"FSDP2 x {n}: SIGKILL after {killed_at}, resume to step {steps}"
+        return (
+            name,
+            f"max weight difference vs uninterrupted: {diff:.2e}",
+            "OK" if ok else "MISMATCH",
+        )
+
+    def table(self) -> str:
+        if self.dry:
+            name = "CPU dry run (tiny models stand in for every row)"
+        else:
+            import torch
+
+            name = f"{self.gpus} x {torch.cuda.get_device_name(0)}"
+        lines = [f"gpu_check: {name}", "", "| check | result | |", "|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in self.rows]
+        return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, 2 gloo ranks")
+    p.add_argument("--keep", default="", help="keep the runs in this folder")
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    a, rest = p.parse_known_args()
+    if a.worker:
+        worker(a.worker, [o.removeprefix("--") for o in rest])
+        return 0
+    import torch
+
+    if not a.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; use --dry-run to check the script on a CPU")
+        return 2
+    work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        check = Check(a.dry_run, work)
+        check.run()
+        print(check.table())
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
