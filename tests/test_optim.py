@@ -66,10 +66,10 @@ def test_build_optimizer_settings():
     assert isinstance(opt, torch.optim.AdamW)
     d = opt.defaults
     assert d["betas"] == (0.9, 0.95) and d["eps"] == 1e-8 and d["lr"] == 3e-4
-    assert d["foreach"] is True and not d["fused"]
+    assert d["fused"] is True and not d["foreach"]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    cuda = build_optimizer(model, OptimConfig(lr=3e-4, weight_decay=0.1), device_type="cuda")
-    assert cuda.defaults["fused"] is True and not cuda.defaults["foreach"]
+    mps = build_optimizer(model, OptimConfig(lr=3e-4, weight_decay=0.1), device_type="mps")
+    assert mps.defaults["foreach"] is True and not mps.defaults["fused"]
     # one step changes parameters and decays only the matrices when gradients are zero
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -200,7 +200,7 @@ def test_muon_adamw_steps_like_the_two_torch_optimizers():
     assert isinstance(opt, MuonAdamW) and not isinstance(opt, torch.optim.AdamW)
     muon_b, groups_b = muon_split(b, 0.1)
     ref_muon = torch.optim.Muon(muon_b, lr=0.05, weight_decay=0.1, momentum=0.9, adjust_lr_fn="original")  # fmt: skip
-    ref_adamw = torch.optim.AdamW(groups_b, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    ref_adamw = torch.optim.AdamW(groups_b, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
     for step in range(3):
         scale = 0.5 if step == 2 else 1.0
         set_lr(opt, 1e-3 * scale, cfg)
