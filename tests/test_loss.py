@@ -164,3 +164,21 @@ def test_compiled_loss_and_gradients_match_eager():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for name, g in ref.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, None])
+def test_per_token_losses_equal_plain_cross_entropy_without_reduction(chunk_rows):
+    """reduction="none" (HellaSwag scoring): each position's loss, 0 where the target is ignored,
+    equal to F.cross_entropy over the full float32 logits; their masked mean is the usual loss."""
+    model = make()
+    model.loss_chunk_rows = chunk_rows
+    idx, targets = batch()
+    with torch.no_grad():
+        logits, _ = model(idx)  # (B, T, V)
+        ref = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-1, reduction="none")
+        _, per_token = model(idx, targets, reduction="none")
+        _, mean = model(idx, targets)
+    assert per_token.shape == targets.shape and per_token.dtype == torch.float32
+    torch.testing.assert_close(per_token, ref, rtol=1e-6, atol=1e-6)
+    assert torch.all(per_token[targets == -1] == 0)
+    torch.testing.assert_close(per_token.sum() / (targets != -1).sum(), mean)
