@@ -112,7 +112,8 @@ def problem(path: Path) -> str | None:
             checkpoint.verify_file(path / name, meta)
         except UserError:
             got = (path / name).stat().st_size if (path / name).is_file() else -1
-            return f"{name} fails its hash ({got} bytes, meta.json recorded {want['bytes']})"
+            same = "; its sha256 differs" if got == want["bytes"] else ""
+            return f"{name} is damaged ({got} bytes, meta.json recorded {want['bytes']}{same})"
     return None
 
 

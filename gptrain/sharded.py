@@ -25,12 +25,15 @@ README: its hash is checked first). `gptrain export` / `sample` read the full mo
 
 from __future__ import annotations
 
+import pickle
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as tdist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from gptrain import checkpoint
 from gptrain import dist as gdist
@@ -159,15 +162,8 @@ def load_full_model_state(ckpt_dir, meta: dict, device: str = "cpu") -> dict:
 def load_full(ckpt_dir, meta: dict, prefix: str, device: str = "cpu") -> dict:
     """{key without prefix: full tensor} of the DCP entries under `prefix` ("model." or "optim.",
     whose keys are "FQN.exp_avg" and so on), read on this one process after verify()."""
-    import torch.distributed.checkpoint as dcp
-
     verify(ckpt_dir, meta, gdist.DistInfo(), None)
-    try:
-        index = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
-    except Exception as e:
-        raise UserError(
-            f"cannot read checkpoint index {Path(ckpt_dir) / '.metadata'}: {e}"
-        ) from None
+    index = _read_index(ckpt_dir).state_dict_metadata
     flat = {
         k: torch.empty(m.size, dtype=m.properties.dtype, device=device)
         for k, m in index.items()
@@ -228,12 +224,13 @@ def _merge(tensors: dict, others: dict) -> dict:
 def _load(ckpt_dir, tensors: dict, group, no_dist: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
 
+    _read_index(ckpt_dir)  # refused here, on every rank, if it names anything but DCP's classes
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
                 tensors,
-                storage_reader=dcp.FileSystemReader(ckpt_dir),
+                storage_reader=_SafeReader(ckpt_dir),
                 process_group=group,
                 no_dist=no_dist,
             )
@@ -242,6 +239,46 @@ def _load(ckpt_dir, tensors: dict, group, no_dist: bool = False) -> None:
         raise UserError(
             f"checkpoint {ckpt_dir} does not fit this model ({first}); use the same [model] config it was trained with"
         ) from None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` index is a pickle. This reads it without running code: only the index's
+    own classes (DCP's metadata dataclasses, torch.Size, dtypes, layouts, paths) can be named in
+    it; anything else (a function, a class with side effects) is refused before it is called."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}  # fmt: skip
+
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name) if module.startswith("torch") or (module, name) in self.NAMES else None  # fmt: skip
+        if (module, name) in self.NAMES or isinstance(found, torch.dtype):
+            return found
+        if module in self.MODULES and isinstance(found, type) and not name.endswith("Reader"):
+            return found  # the index's dataclasses and enums
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
+
+
+def _read_index(ckpt_dir):
+    """DCP's index of a checkpoint folder, read by _MetadataUnpickler; a refusal is one line."""
+    index = Path(ckpt_dir) / ".metadata"
+    try:
+        with open(index, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, AttributeError, EOFError, ValueError) as e:
+        raise UserError(
+            f"refused {index}: {e} (a checkpoint is data, never code; nothing from it was run); use a checkpoint you trained yourself"
+        ) from None
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's FileSystemReader, with the index read by _read_index instead of pickle.load."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = _read_index(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _barrier(group) -> None:

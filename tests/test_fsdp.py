@@ -185,6 +185,39 @@ def test_damaged_shard_is_refused_before_anything_is_read(dcp_run, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
+@pytest.mark.slow
+def test_crafted_dcp_index_runs_nothing(dcp_run, tmp_path):
+    """DCP's .metadata is a pickle: one naming anything but DCP's own classes is refused with one
+    line (meta.json rewritten to vouch for it, as whoever hands out a checkpoint can), and the
+    payload never runs; a genuine index still loads (the other tests)."""
+    import hashlib
+    import json
+    import os
+    import pickle
+    import shutil
+
+    from gptrain import checkpoint
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(tmp_path / "pwned"),))
+
+    run = tmp_path / "run"
+    shutil.copytree(dcp_run, run)
+    folder = checkpoint.find(run)
+    data = pickle.dumps(Payload())
+    (folder / ".metadata").write_bytes(data)
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"][".metadata"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    for args in (["sample", "--run", str(run), "--device", "cpu"], ["export", "--run", str(run), "--out", str(tmp_path / "hf")]):  # fmt: skip
+        done = _cli(*args)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+        assert ".metadata" in lines[0] and "never code" in lines[0], lines
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "hf").exists()
+
+
 def test_nccl_errors_surface_as_exceptions_and_user_settings_win():
     env = {}
     dist.nccl_error_handling(env)
