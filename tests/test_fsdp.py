@@ -120,7 +120,7 @@ def test_fsdp_bf16_matches_ddp_autocast(fsdp_runs):
 
 @pytest.fixture(scope="module")
 def dcp_run(byte_data, tmp_path_factory):
-    """A 2-rank FSDP2 run (dropout on) with sharded checkpoints at steps 2 and 4."""
+    """A 2-rank FSDP2 run (dropout on) with one sharded checkpoint, at its last step (4)."""
     run_dir = tmp_path_factory.mktemp("dcp") / "run"
     args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--dist.mode=fsdp", "--train.max_steps=4", "--checkpoint.every=2", "--model.dropout=0.1", "--train.micro_batch_size=4", *h.FAST]  # fmt: skip
     h.check_ok(h.wait_all(h.spawn(args), 300))
