@@ -209,8 +209,8 @@ def worker_train_probe(overrides: list[str]) -> dict:
     probe: dict = {}
     original = gbuild.build_model
 
-    def build_with_probes(*args):
-        model = original(*args)
+    def build_with_probes(*args, **kwargs):
+        model = original(*args, **kwargs)
         dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
 
         def pre(module, args):

@@ -238,3 +238,16 @@ def test_scorecard_reaches_tensorboard_hparams_and_wandb_summary(tmp_path, offli
         assert summary[f"scorecard/{k}"] == pytest.approx(v)
     for k, v in hparams.items():
         assert summary[f"hparams/{k}"] == pytest.approx(v)
+
+
+def test_best_val_counts_the_eval_logged_after_its_checkpoint(tmp_path):
+    """A step's checkpoint is written before its eval, so on resume the best val loss is the
+    lower of the checkpoint's record and metrics.jsonl's kept rows (a cut-short line is skipped)."""
+    from gptrain.logs import best_val
+
+    rows = [{"step": 0, "val_loss": 5.0}, {"step": 3, "loss": 4.0}, {"step": 4, "val_loss": 3.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"ste')
+    saved = {"best_val_loss": 4.0, "best_val_step": 2}
+    assert best_val(tmp_path, saved) == {"best_val_loss": 3.5, "best_val_step": 4}
+    assert best_val(tmp_path, {"best_val_loss": 3.0, "best_val_step": 1})["best_val_step"] == 1
+    assert best_val(tmp_path / "none", saved) == saved
