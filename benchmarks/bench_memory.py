@@ -36,7 +36,7 @@ def measure(args) -> dict:
     from gptrain.config import load_config
     from gptrain.dist import DistInfo
     from gptrain.errors import UserError
-    from gptrain.train import train_step
+    from gptrain.step import train_step
 
     overrides = [
         "model.preset=gpt2",

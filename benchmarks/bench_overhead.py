@@ -56,7 +56,11 @@ def setup(shape: str, data_dir: Path, dtype: str, optim: str):
 
 def make_step(cfg, model, wrapped, opt, autocast, scaler, loader, accum):
     from gptrain import optim as goptim
-    from gptrain.train import train_step
+
+    try:
+        from gptrain.step import train_step
+    except ImportError:  # a checkout from before step.py (the "before" numbers)
+        from gptrain.train import train_step
 
     set_lr = getattr(goptim, "set_lr", None)
     state = {"step": 0}

@@ -20,7 +20,7 @@ from gptrain.build import build_training
 from gptrain.config import load_config
 from gptrain.errors import ArgParser
 from gptrain.metrics import measure_peak_flops, synchronize
-from gptrain.train import train_step
+from gptrain.step import train_step
 
 VOCAB = {"byte": 257, "gpt2": 50257}
 

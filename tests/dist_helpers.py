@@ -153,7 +153,7 @@ def worker_comm(overrides: list[str], steps: int, sync_every_micro_step: bool) -
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from gptrain import dist
-    from gptrain.train import train_step
+    from gptrain.step import train_step
 
     cfg, info, model, wrapped, optimizer, loader, accum = _setup(overrides)
     calls = {"buckets": 0, "elements": 0}

@@ -30,7 +30,7 @@ def variant(data_dir: str, steps: int, *overrides: str, marker: str = "") -> dic
     from gptrain.build import build_training
     from gptrain.config import accumulation_steps, load_config
     from gptrain.loader import Dataset, TrainLoader
-    from gptrain.train import train_step
+    from gptrain.step import train_step
 
     cfg = load_config(
         DEBUG,
