@@ -94,6 +94,20 @@ def comparable(state: dict, n_embd: int = 64) -> dict:
     return out
 
 
+def assert_same_training(got: dict, want: dict, what: str, lr_sum: float, rtol=1e-5, atol=1e-6):
+    """Weights of two runs that did the same computation in another summation order (micro-batch
+    shapes or compiled kernels pick other float32 kernels, which differ by CPU): every element
+    within rtol/atol, except at most 0.1% of a tensor's elements (at least one). Those are
+    entries whose gradient is ~0: AdamW's normalised step m / sqrt(v) turns their rounding noise
+    into steps of up to lr with an arbitrary sign. Even they stay below lr_sum (the learning
+    rates of all steps added up). A wrong batch, scaling or graph moves most elements."""
+    for k, v in want.items():
+        diff = (got[k] - v).abs()
+        outliers = int((diff > atol + rtol * v.abs()).sum())
+        assert outliers <= max(1, v.numel() // 1000), f"{k} differs in {outliers} of {v.numel()} elements, {what}"  # fmt: skip
+        assert diff.max() < lr_sum, f"{k} differs by {diff.max():.3g} >= {lr_sum}, {what}"
+
+
 def test_accumulation_splits_are_equivalent(byte_data, tmp_path):
     """Same 1024-token batches: 1 micro-batch of 16 == 2 of 8 == 4 of 4 (float32)."""
     common = [
@@ -109,11 +123,14 @@ def test_accumulation_splits_are_equivalent(byte_data, tmp_path):
         run(byte_data, tmp_path / f"mb{mb}", f"train.micro_batch_size={mb}", *common)
         runs[mb] = weights(tmp_path / f"mb{mb}")
     for mb in (8, 4):
-        for k, v in comparable(runs[16]).items():
-            got = comparable(runs[mb])[k]
-            torch.testing.assert_close(
-                got, v, rtol=1e-5, atol=1e-6, msg=f"{k} differs, micro-batch {mb}"
-            )
+        assert_same_training(comparable(runs[mb]), comparable(runs[16]), f"micro-batch {mb}", 6 * 3e-3)  # fmt: skip
+    # AdamW's step hardly changes when every gradient is scaled: the logged loss (the mean over
+    # micro-steps) and gradient norm are what catch a split that scales the loss wrongly
+    logged = {mb: [json.loads(r) for r in (tmp_path / f"mb{mb}" / "metrics.jsonl").read_text().splitlines()] for mb in runs}  # fmt: skip
+    for mb in (8, 4):
+        for key in ("loss", "grad_norm"):
+            want = [r[key] for r in logged[16] if key in r]
+            assert len(want) >= 2 and [r[key] for r in logged[mb] if key in r] == pytest.approx(want, rel=1e-5), (key, mb)  # fmt: skip
     # a resume may change the micro-batch (e.g. auto on another world size): the loader's cursor
     # counts windows, so steps 4-6 see the same tokens as the uninterrupted run
     cut = tmp_path / "cut"
@@ -262,8 +279,7 @@ def test_compiled_run_equals_eager_and_saves_plain_keys(byte_data, tmp_path):
     raw = load_file(str(checkpoint.find(tmp_path / "compiled") / "model.safetensors"))
     assert not any("_orig_mod" in k or k.startswith("module.") for k in raw)
     a, b = comparable(weights(tmp_path / "eager")), comparable(weights(tmp_path / "compiled"))
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert_same_training(b, a, "compiled vs eager", 3 * 3e-3, rtol=1e-4, atol=1e-5)
 
 
 def test_ctrl_c_stops_cleanly_with_a_final_log_line(byte_data, tmp_path):
