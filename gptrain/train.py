@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import torch
 
-from gptrain import batch, checkpoint, dist, launch, retention, sharded
+from gptrain import batch, checkpoint, dist, failures, launch, retention, sharded
 from gptrain.build import build_training
 from gptrain.config import Config, load_config, parse_cli, to_toml
 from gptrain.errors import UserError
@@ -399,7 +399,7 @@ def main(argv: list[str]) -> int:
         print(f"gptrain: error: {e}", file=sys.stderr)
         return 1
     except RuntimeError as e:  # a dead or stuck peer: one line naming rank and operation, exit 1
-        failure = dist.failure(e, info) if dist.active() else None
+        failure = failures.failure(e, info) if dist.active() else None
         if failure is None:
             raise
         print(f"gptrain: error: {failure}", file=sys.stderr)

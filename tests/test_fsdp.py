@@ -13,7 +13,7 @@ import dist_helpers as h
 import pytest
 import torch
 
-from gptrain import dist
+from gptrain import dist, failures
 from gptrain.build import build_model
 from gptrain.config import DistConfig, load_config
 from gptrain.model import GPT, GPTConfig
@@ -220,10 +220,10 @@ def test_crafted_dcp_index_runs_nothing(dcp_run, tmp_path):
 
 def test_nccl_errors_surface_as_exceptions_and_user_settings_win():
     env = {}
-    dist.nccl_error_handling(env)
+    failures.nccl_error_handling(env)
     assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # abort communicators, not the process
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
-    dist.nccl_error_handling(env)
+    failures.nccl_error_handling(env)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert dist.attempt_prefix({"TORCHELASTIC_RESTART_COUNT": "2"}) != dist.attempt_prefix({})
 
