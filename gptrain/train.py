@@ -29,7 +29,8 @@ import torch
 
 from gptrain import batch, checkpoint, dist, failures, launch, retention, sharded
 from gptrain.build import build_training
-from gptrain.config import Config, load_config, parse_cli, to_toml
+from gptrain.cli import parse_cli
+from gptrain.config import Config, load_config, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
 from gptrain.guard import NonFinite, NonFiniteStop, Preemption, roll_back
