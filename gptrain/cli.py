@@ -15,11 +15,8 @@ def help_text() -> str:
     out = ["config keys (set in a TOML file under [section] or as --section.key=value):", ""]
     for section in SECTIONS:
         sec = SECTIONS[section]()
-        types = field_types(type(sec))
-        for f in fields(sec):
-            out.append(
-                f"  --{section}.{f.name} ({type_name(types[f.name])}, default {getattr(sec, f.name)!r})"
-            )
+        for (key, typ), f in zip(field_types(type(sec)).items(), fields(sec), strict=True):
+            out.append(f"  --{section}.{key} ({type_name(typ)}, default {getattr(sec, f.name)!r})")
             out.append(f"      {f.metadata['help']}")
     return "\n".join(out)
 

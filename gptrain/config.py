@@ -11,6 +11,7 @@ each other, likewise (gptrain/validate.py). Each component receives only its own
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -156,6 +157,10 @@ class CheckpointConfig:
     keep_every: int = opt(
         0, "also keep every checkpoint whose step is a multiple of N forever; 0: none"
     )
+    async_: bool = opt(  # the key is checkpoint.async (a Python keyword: see key_name)
+        False,
+        "FSDP2 runs (dist.mode = fsdp, 2+ processes) only: write the sharded checkpoint in the background (DCP async_save of a copy staged in host memory) while training goes on; it is published (renamed into place, named in `latest`) at the next save, before a rollback and at the end or a preemption stop. Refused for runs that write full checkpoints (1 process, DDP)",
+    )
 
 
 @dataclass(frozen=True)
@@ -228,9 +233,16 @@ SECTIONS = {f.name: f.default_factory for f in fields(Config)}
 MOVED_TO_OPTIM = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
 
 
+def key_name(field_name: str) -> str:
+    """The config key of a field: its name, less the `_` that a Python keyword needs (async_)."""
+    bare = field_name.removesuffix("_")
+    return bare if keyword.iskeyword(bare) else field_name
+
+
 def field_types(section_cls) -> dict[str, type]:
+    """{config key: type} of a section's fields."""
     hints = typing.get_type_hints(section_cls)
-    return {f.name: hints[f.name] for f in fields(section_cls)}
+    return {key_name(f.name): hints[f.name] for f in fields(section_cls)}
 
 
 INT_OR_AUTO = int | str  # the type of a key that takes a whole number or "auto"
@@ -292,7 +304,8 @@ def _apply(values: dict[str, dict], key: str, raw, from_cli: bool) -> None:
         raise UserError(f"{key} moved to the [optim] section: use optim.{name}")
     if name not in types:
         raise UserError(f"unknown config key {key!r}; keys of [{section}]: {', '.join(types)}")
-    values[section][name] = _coerce(key, raw, types[name], from_cli)
+    field_name = name + "_" if keyword.iskeyword(name) else name
+    values[section][field_name] = _coerce(key, raw, types[name], from_cli)
 
 
 def load_config(config_file: str | None = None, overrides: list[str] | tuple = ()) -> Config:
@@ -360,6 +373,7 @@ def to_toml(cfg: Config) -> str:
     lines = []
     for section in SECTIONS:
         lines.append(f"[{section}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(getattr(cfg, section)).items()]
+        items = dataclasses.asdict(getattr(cfg, section)).items()
+        lines += [f"{key_name(k)} = {fmt(v)}" for k, v in items]
         lines.append("")
     return "\n".join(lines)

@@ -101,6 +101,18 @@ def validate(cfg: Config) -> None:
         c.keep_every >= 0,
         f"checkpoint.keep_every = {c.keep_every} must be >= 0 (0 keeps no milestones)",
     )
+    if c.async_:
+        _check(
+            cfg.dist.mode == "fsdp",
+            f"checkpoint.async = true with dist.mode = {cfg.dist.mode!r}: background saving applies only to the sharded (DCP) checkpoints of FSDP2 runs, and a {cfg.dist.mode} run writes full checkpoints; use checkpoint.async=false (or dist.mode=fsdp)",
+        )
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        _check(
+            hasattr(dcp, "async_save"),
+            f"checkpoint.async = true needs torch.distributed.checkpoint.async_save (torch >= 2.3); this is torch {torch.__version__}: upgrade torch or use checkpoint.async=false",
+        )
     _check(t.max_skips >= 1, f"train.max_skips = {t.max_skips} must be >= 1")
     r = cfg.checkpoint.resume
     _check(
