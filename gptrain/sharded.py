@@ -138,18 +138,17 @@ def _publish(step, root, tmp, future, state, rng, meta, tied, info, group):
         p.name: checkpoint._file_record(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))
     }
     gathered = [None] * info.world_size
-    tdist.all_gather_object(gathered, (records, rng, error), group=group)
-    error = next((g[2] for g in gathered if g[2]), "")
+    tdist.all_gather_object(gathered, (records, rng), group=group)
     if info.is_main and not error:  # every rank's shards must be in rank 0's folder
         missing = [n for g in gathered for n in g[0] if not (tmp / n).is_file()]
         if missing:
             error = f"FSDP2 checkpoint step {step}: {missing[0]} written by another rank is not in {tmp} as rank 0 sees it; sharded checkpoints need run.dir on a filesystem every node sees (shared), or use dist.mode=ddp"
-    box = [error]
-    tdist.broadcast_object_list(box, src=0, group=group)
-    if box[0]:
+    failed = torch.tensor([1.0 if error else 0.0])
+    tdist.all_reduce(failed, group=group)
+    if failed.item():  # every rank stops; the one(s) that failed say why
         if info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(box[0])
+        raise UserError(error or "another rank failed (see its message above)")
     path = None
     if info.is_main:
         state["train_state"]["rng"] = [g[1] for g in gathered]

@@ -113,9 +113,9 @@ def async_save_keeps_the_save_step(data_dir: str, run_dir: str) -> dict:
     accum = t.total_batch_size // (t.micro_batch_size * t.seq_len * info.world_size)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
-    def full():  # collective: (weights, AdamW first moments) gathered, copied
+    def full():  # collective: (weights, AdamW first moments) gathered on rank 0, copied
         m = {k: v.clone() for k, v in get_model_state_dict(model, options=opts).items()}
-        o = get_optimizer_state_dict(model, optimizer, options=opts)["state"]
+        o = get_optimizer_state_dict(model, optimizer, options=opts).get("state", {})
         return m, {k: v["exp_avg"].clone() for k, v in o.items()}
 
     def step():
