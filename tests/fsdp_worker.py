@@ -99,7 +99,7 @@ def async_save_keeps_the_save_step(data_dir: str, run_dir: str) -> dict:
         get_optimizer_state_dict,
     )
 
-    from gptrain import checkpoint, dist, sharded
+    from gptrain import checkpoint, dist, retention, sharded
     from gptrain.build import build_training
     from gptrain.config import load_config
     from gptrain.loader import Dataset, TrainLoader
@@ -134,7 +134,8 @@ def async_save_keeps_the_save_step(data_dir: str, run_dir: str) -> dict:
     step()
     step()
     later = full()
-    hidden = checkpoint.latest(run_dir) is None
+    tmp = Path(run_dir) / "checkpoints" / ".tmp-step_00000001"  # being written, not resumable:
+    hidden = tmp.is_dir() and retention.resume_point(run_dir, "auto") == (None, [])
     gate.set()
     path = pending.wait()
     dcp.FileSystemWriter.write_data = write

@@ -184,6 +184,34 @@ def test_async_saved_run_resumes_like_the_uninterrupted_one(dcp_run, byte_data, 
 
 
 @pytest.mark.slow
+def test_async_preemption_checkpoint_is_complete_at_exit_0(byte_data, tmp_path):
+    """checkpoint.async, SIGTERM to rank 1 mid-run: both ranks publish the pending background save,
+    save the stop step, wait for it and exit 0; `latest` names the stop step, which is valid, and
+    no temporary folder is left."""
+    import signal
+    import time
+
+    from gptrain import checkpoint, retention
+
+    run_dir = tmp_path / "run"
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--dist.mode=fsdp", "--train.max_steps=60", "--train.micro_batch_size=4", *h.FAST, "--checkpoint.every=2", "--checkpoint.async=true"]  # fmt: skip
+    procs = h.spawn(args)
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if metrics.is_file() and '"step": 5,' in metrics.read_text():
+            break
+        time.sleep(0.01)
+    procs[1].send_signal(signal.SIGTERM)
+    results = h.wait_all(procs, timeout=240)
+    h.check_ok(results)
+    stopped = checkpoint.latest(run_dir)
+    step = checkpoint.load_meta(stopped)["step"]
+    assert 5 <= step < 60 and retention.problem(stopped) is None, step
+    assert f"checkpoint {stopped} is complete" in results[0][1] + results[0][2]
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.slow
 def test_sharded_checkpoint_layout_and_export_sample(dcp_run, tmp_path):
     from gptrain import checkpoint, sharded
     from gptrain.hf import load_hf_folder
