@@ -107,6 +107,7 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
     writer = dcp.FileSystemWriter(tmp)
     if background:  # the staged copy is taken here, in this thread, before it returns
         future = dcp.async_save(tensors, storage_writer=writer, process_group=group)
+        future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse: its write
     else:
         future = Future()
         try:
