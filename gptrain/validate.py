@@ -6,12 +6,8 @@ checks come later, in batch.py and dist.check_options). Imports no other config 
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import TYPE_CHECKING
 
 from gptrain.errors import UserError
-
-if TYPE_CHECKING:  # only for the annotation: config.py imports this module
-    from gptrain.config import Config
 
 
 def _check(ok: bool, message: str) -> None:
@@ -19,8 +15,9 @@ def _check(ok: bool, message: str) -> None:
         raise UserError(message)
 
 
-def validate(cfg: Config) -> None:
-    """Values that are wrong on their own or contradict each other (world-size checks come later)."""
+def validate(cfg) -> None:
+    """Values of a config.Config that are wrong on their own or contradict each other (world-size
+    checks come later). Not annotated with Config: config.py imports this module, not the reverse."""
     for part in fields(cfg):
         section, sec = part.name, getattr(cfg, part.name)
         for f in fields(sec):
