@@ -1,20 +1,24 @@
 """Configuration: one dataclass per section, TOML presets, `--section.key=value` overrides.
 
 Precedence: command line > `--config FILE` > dataclass defaults. Every field is documented once, in
-its `help` metadata; that text is what `gptrain train --help` prints. Unknown sections or keys, values
-of the wrong type and contradictory values raise `UserError` naming the key, the value and what is
-allowed. Each component receives only its own section (`cfg.train`, `cfg.dist`, ...).
+its `help` metadata; that text is what `gptrain train --help` prints (gptrain/cli.py, which also
+splits the command line). Unknown sections or keys and values of the wrong type raise `UserError`
+naming the key, the value and what is allowed (here); values that are out of range or contradict
+each other, likewise (gptrain/validate.py). Each component receives only its own section
+(`cfg.train`, `cfg.dist`, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from gptrain.errors import UserError
+from gptrain.validate import validate
 
 
 def opt(default, help: str, choices: tuple | None = None):
@@ -153,6 +157,10 @@ class CheckpointConfig:
     keep_every: int = opt(
         0, "also keep every checkpoint whose step is a multiple of N forever; 0: none"
     )
+    async_: bool = opt(  # the key is checkpoint.async (a Python keyword: see key_name)
+        False,
+        "FSDP2 runs (dist.mode = fsdp, 2+ processes) only: write the sharded checkpoint in the background (DCP async_save of a copy staged in host memory) while training goes on; it is published (renamed into place, named in `latest`) at the next save, before a rollback and at the end or a preemption stop. Refused for runs that write full checkpoints (1 process, DDP)",
+    )
 
 
 @dataclass(frozen=True)
@@ -225,15 +233,22 @@ SECTIONS = {f.name: f.default_factory for f in fields(Config)}
 MOVED_TO_OPTIM = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
 
 
-def _field_types(section_cls) -> dict[str, type]:
+def key_name(field_name: str) -> str:
+    """The config key of a field: its name, less the `_` that a Python keyword needs (async_)."""
+    bare = field_name.removesuffix("_")
+    return bare if keyword.iskeyword(bare) else field_name
+
+
+def field_types(section_cls) -> dict[str, type]:
+    """{config key: type} of a section's fields."""
     hints = typing.get_type_hints(section_cls)
-    return {f.name: hints[f.name] for f in fields(section_cls)}
+    return {key_name(f.name): hints[f.name] for f in fields(section_cls)}
 
 
 INT_OR_AUTO = int | str  # the type of a key that takes a whole number or "auto"
 
 
-def _type_name(typ) -> str:
+def type_name(typ) -> str:
     return "int or auto" if typ == INT_OR_AUTO else typ.__name__
 
 
@@ -284,12 +299,13 @@ def _apply(values: dict[str, dict], key: str, raw, from_cli: bool) -> None:
     section, _, name = key.partition(".")
     if section not in SECTIONS or not name:
         raise UserError(f"unknown config section in {key!r}; sections are: {', '.join(SECTIONS)}")
-    types = _field_types(type(SECTIONS[section]()))
+    types = field_types(type(SECTIONS[section]()))
     if section == "train" and name in MOVED_TO_OPTIM:
         raise UserError(f"{key} moved to the [optim] section: use optim.{name}")
     if name not in types:
         raise UserError(f"unknown config key {key!r}; keys of [{section}]: {', '.join(types)}")
-    values[section][name] = _coerce(key, raw, types[name], from_cli)
+    field_name = name + "_" if keyword.iskeyword(name) else name
+    values[section][field_name] = _coerce(key, raw, types[name], from_cli)
 
 
 def load_config(config_file: str | None = None, overrides: list[str] | tuple = ()) -> Config:
@@ -320,116 +336,8 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple = (
             )
         _apply(values, key.strip(), raw.strip(), from_cli=True)
     cfg = Config(**{s: type(SECTIONS[s]())(**values[s]) for s in SECTIONS})
-    validate(cfg)
+    validate(cfg)  # gptrain/validate.py: values wrong on their own or together
     return cfg
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(message)
-
-
-def validate(cfg: Config) -> None:
-    """Values that are wrong on their own or contradict each other (world-size checks come later)."""
-    for section in SECTIONS:
-        sec = getattr(cfg, section)
-        for f in fields(sec):
-            choices = f.metadata.get("choices")
-            value = getattr(sec, f.name)
-            _check(
-                choices is None or value in choices,
-                f"{section}.{f.name} = {value!r}; allowed: {', '.join(choices or ())}",
-            )
-    t, m = cfg.train, cfg.model
-    for key in ("micro_batch_cap", "seq_len", "total_batch_size", "max_steps"):
-        _check(getattr(t, key) >= 1, f"train.{key} = {getattr(t, key)} must be >= 1")
-    mb = t.micro_batch_size
-    _check(mb == "auto" or mb >= 1, f"train.micro_batch_size = {mb} must be >= 1 or auto")
-    _check(
-        not (cfg.dist.mode == "fsdp" and t.dtype == "float16"),
-        "dist.mode = 'fsdp' with train.dtype = 'float16' is not supported (FSDP2 has no sharded float16 gradient scaler); use train.dtype=bfloat16 (GPUs with compute capability >= 8.0), float32, or dist.mode=ddp",
-    )
-    o = cfg.optim
-    _check(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
-    _check(0 <= o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
-    _check(
-        0 <= o.warmup_steps <= t.max_steps,
-        f"optim.warmup_steps = {o.warmup_steps} must be in [0, train.max_steps = {t.max_steps}]",
-    )
-    _check(
-        0 < o.decay_fraction <= 1,
-        f"optim.decay_fraction = {o.decay_fraction} must be in (0, 1], e.g. 0.2 (the last 20% of the steps)",
-    )
-    _check(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay} must be >= 0")
-    for key in ("beta1", "beta2", "muon_momentum"):
-        _check(0 <= getattr(o, key) < 1, f"optim.{key} = {getattr(o, key)} must be in [0, 1)")
-    _check(o.eps > 0, f"optim.eps = {o.eps} must be > 0")
-    _check(o.muon_lr > 0, f"optim.muon_lr = {o.muon_lr} must be > 0")
-    _check(o.muon_ns_steps >= 1, f"optim.muon_ns_steps = {o.muon_ns_steps} must be >= 1")
-    if o.name == "muon":
-        import torch
-
-        _check(
-            hasattr(torch.optim, "Muon"),
-            f"optim.name = 'muon' needs torch >= 2.9 (torch.optim.Muon); this is torch {torch.__version__}: upgrade torch or use optim.name = 'adamw'",
-        )
-        _check(
-            cfg.dist.mode != "fsdp",
-            "optim.name = 'muon' with dist.mode = 'fsdp' is not supported (Muon would orthogonalise each rank's shard, not the whole matrix); use dist.mode = 'ddp' or optim.name = 'adamw'",
-        )
-    _check(o.grad_clip >= 0, f"optim.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
-    _check(0 <= m.dropout < 1, f"model.dropout = {m.dropout} must be in [0, 1)")
-    _check(
-        not (m.init_from and m.preset),
-        f"model.init_from = {m.init_from!r} and model.preset = {m.preset!r}: the weights' config.json sets the architecture; leave model.preset empty",
-    )
-    if not m.preset:
-        for key in ("n_layer", "n_head", "n_embd"):
-            _check(getattr(m, key) >= 1, f"model.{key} = {getattr(m, key)} must be >= 1")
-        _check(
-            m.n_embd % m.n_head == 0,
-            f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}",
-        )
-    _check(
-        m.block_size == 0 or m.block_size >= t.seq_len,
-        f"model.block_size = {m.block_size} is shorter than train.seq_len = {t.seq_len}; use 0 to follow seq_len",
-    )
-    _check(cfg.data.stride >= 0, f"data.stride = {cfg.data.stride} must be >= 0 (0 means seq_len)")
-    for key in ("every", "sample_every", "hellaswag_every", "hellaswag_limit"):
-        _check(getattr(cfg.eval, key) >= 0, f"eval.{key} must be >= 0")
-    _check(
-        cfg.eval.tokens >= t.seq_len,
-        f"eval.tokens = {cfg.eval.tokens} is less than one window of train.seq_len = {t.seq_len}",
-    )
-    _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0")
-    c = cfg.checkpoint
-    _check(
-        c.keep_last >= 1,
-        f"checkpoint.keep_last = {c.keep_last} must be >= 1 (the newest is always kept)",
-    )
-    _check(
-        c.keep_every >= 0,
-        f"checkpoint.keep_every = {c.keep_every} must be >= 0 (0 keeps no milestones)",
-    )
-    _check(t.max_skips >= 1, f"train.max_skips = {t.max_skips} must be >= 1")
-    r = cfg.checkpoint.resume
-    _check(
-        r in ("auto", "latest", "none") or r.isdigit(),
-        f"checkpoint.resume = {r!r}; allowed: auto, latest, none or a step number",
-    )
-    _check(cfg.log.every >= 1, f"log.every = {cfg.log.every} must be >= 1")
-    _check(cfg.dist.timeout_s >= 1, f"dist.timeout_s = {cfg.dist.timeout_s} must be >= 1")
-    _check(cfg.dist.nnodes >= 1, f"dist.nnodes = {cfg.dist.nnodes} must be >= 1")
-    ep = cfg.dist.rdzv_endpoint
-    _check(
-        cfg.dist.nnodes == 1 or ep.rpartition(":")[2].isdigit(),
-        f"dist.nnodes = {cfg.dist.nnodes} needs dist.rdzv_endpoint=HOST:PORT (a port on one of the nodes), got {ep!r}",
-    )
-    n = cfg.dist.nproc_per_node
-    _check(
-        n == "auto" or (n.isdigit() and int(n) >= 1),
-        f"dist.nproc_per_node = {n!r}; allowed: a whole number >= 1 or auto",
-    )
 
 
 def accumulation_steps(
@@ -465,51 +373,7 @@ def to_toml(cfg: Config) -> str:
     lines = []
     for section in SECTIONS:
         lines.append(f"[{section}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(getattr(cfg, section)).items()]
+        items = dataclasses.asdict(getattr(cfg, section)).items()
+        lines += [f"{key_name(k)} = {fmt(v)}" for k, v in items]
         lines.append("")
     return "\n".join(lines)
-
-
-def help_text() -> str:
-    """`--help`: every key with its type, default and documentation."""
-    out = ["config keys (set in a TOML file under [section] or as --section.key=value):", ""]
-    for section in SECTIONS:
-        sec = SECTIONS[section]()
-        types = _field_types(type(sec))
-        for f in fields(sec):
-            out.append(
-                f"  --{section}.{f.name} ({_type_name(types[f.name])}, default {getattr(sec, f.name)!r})"
-            )
-            out.append(f"      {f.metadata['help']}")
-    return "\n".join(out)
-
-
-def parse_cli(argv: list[str], usage: str = "") -> tuple[str | None, list[str]]:
-    """`[--config FILE] [--section.key=value | --section.key value | --flag ...] [--help]` →
-    (config file, overrides); a bare `--section.key` means true. --help prints `usage` and every
-    key's documentation."""
-    config_file, overrides, i = None, [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            print(usage.strip() + "\n\n" + help_text())
-            raise SystemExit(0)
-        if arg == "--config":
-            if i + 1 >= len(argv):
-                raise UserError("--config needs a file, e.g. --config configs/debug.toml")
-            config_file, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--config="):
-            config_file = arg.split("=", 1)[1]
-        elif arg.startswith("--") and "=" in arg:
-            overrides.append(arg[2:])
-        elif arg.startswith("--") and "." in arg:  # --section.key VALUE, or a bare flag = true
-            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            overrides.append(f"{arg[2:]}={argv[i + 1] if has_value else 'true'}")
-            i += 1 if has_value else 0
-        else:
-            raise UserError(
-                f"unexpected argument {arg!r}; use --config FILE and --section.key=value (see --help)"
-            )
-        i += 1
-    return config_file, overrides

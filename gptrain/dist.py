@@ -8,7 +8,7 @@ starts one process per device and sets RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WO
 Failures never hang: every collective has dist.timeout_s. A rendezvous that cannot be reached is a
 UserError naming the address. A collective that fails (a peer died, or is stuck past the time-out)
 becomes a `DistFailure` naming this rank, the operation, and the peers that no longer answer on
-the rendezvous store (`failure()`).
+the rendezvous store (gptrain/failures.py).
 """
 
 from __future__ import annotations
@@ -18,15 +18,13 @@ import datetime
 import gc
 import hashlib
 import os
-import sys
-import time
-import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gptrain import failures
 from gptrain.config import DistConfig
 from gptrain.errors import UserError
 
@@ -84,10 +82,6 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-_store: dist.Store | None = None  # the rendezvous store, kept to tell dead peers from live ones
-_store_host_is_rank0 = False
-
-
 def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
     """Initialise the default process group under torchrun (a no-op for a plain single process).
 
@@ -96,7 +90,6 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
     are still alive. Under torchrun the store is the agent's (TORCHELASTIC_USE_AGENT_STORE); with
     plain RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT variables rank 0 hosts it.
     """
-    global _store, _store_host_is_rank0
     if not info.launched or dist.is_initialized():
         return
     if backend == "auto":
@@ -112,10 +105,12 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
     hosts = info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        with _muted_stderr():  # retries and time-outs are logged in C++; the UserError says it all
+        with (
+            failures.muted_stderr()
+        ):  # retries and time-outs are logged in C++; the UserError says it all
             store = dist.TCPStore(addr, port, info.world_size, is_master=hosts, timeout=timeout)
     except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError
-        why = first_line(e)
+        why = failures.first_line(e)
         if hosts:
             raise UserError(
                 f"rank 0: not all {info.world_size} processes reached the rendezvous at {addr}:{port} within dist.timeout_s = {timeout_s} s ({why}); start every node with the same --nnodes/--rdzv_endpoint, or raise dist.timeout_s"
@@ -126,7 +121,7 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
     store = dist.PrefixStore(attempt_prefix(), store)  # a restarted attempt reads no stale keys
     kwargs = {"device_id": torch.device(info.device)} if backend == "nccl" else {}
     if backend == "nccl":
-        nccl_error_handling()
+        failures.nccl_error_handling()
     dist.init_process_group(  # with nccl, small CPU-side agreements (flags, hashes) go over gloo
         backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
         store=store,
@@ -135,8 +130,8 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
         timeout=timeout,
         **kwargs,
     )
-    _store = dist.PrefixStore("peers/", store)
-    _store_host_is_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    failures.keep_store(dist.PrefixStore("peers/", store), host_is_rank0=not agent_store)
 
 
 def attempt_prefix(env=os.environ) -> str:
@@ -147,118 +142,18 @@ def attempt_prefix(env=os.environ) -> str:
     return f"gptrain/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
-def nccl_error_handling(env=os.environ) -> None:
-    """Make a dead or stuck peer under NCCL end like under gloo: a Python exception within
-    dist.timeout_s (then `failure()` prints one line naming the rank and the peer), not a
-    watchdog SIGABRT. TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): on a time-out the watchdog
-    aborts the NCCL communicators instead of the process; the collective (or the next one) then
-    raises DistBackendError in the training thread. Settings the user made are kept. Blocking wait
-    (TORCH_NCCL_BLOCKING_WAIT) is not used: it would stall the CPU on every FSDP2 all-gather.
-    Not run on a GPU yet (no machine); the choice follows torch's ProcessGroupNCCL.hpp."""
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-
-
-@contextlib.contextmanager
-def _muted_stderr():
-    """Silence file descriptor 2 (torch's C++ logging) for a block; our own message follows."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-class DistFailure(RuntimeError):
-    """A collective failed: a peer died, stopped responding past dist.timeout_s, or diverged."""
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-def _operation(e: BaseException) -> str:
-    """The failed operation: the innermost gptrain source line the error passed through."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename.startswith(here)]
-    if not frames:
-        return "a collective"
-    f = frames[-1]
-    what = f"`{(f.line or '').strip()}` in {f.name} ({os.path.basename(f.filename)}:{f.lineno})"
-    if "backward" in (f.line or ""):
-        what += " (gradient all-reduce / reduce-scatter)"
-    elif "wrapped(" in (f.line or "") or "model(" in (f.line or ""):
-        what += " (forward: DDP's start-of-step collectives or FSDP's parameter all-gather)"
-    return what
-
-
-def unresponsive_peers(info: DistInfo, wait_s: float = 3.0) -> list[int] | None:
-    """After a failed collective: the ranks that do not check in on the rendezvous store within
-    wait_s (dead or stuck), or None when the store itself is gone (its host died)."""
-    if _store is None:
-        return None
-    try:
-        with _muted_stderr():  # the store client logs C++ stack traces when its host is gone
-            return _poll_alive(info, wait_s)
-    except (RuntimeError, OSError):
-        return None
-
-
-def _poll_alive(info: DistInfo, wait_s: float) -> list[int]:
-    _store.set_timeout(datetime.timedelta(seconds=wait_s))
-    _store.set(f"alive/{info.rank}", "1")
-    deadline = time.monotonic() + wait_s
-    while True:
-        others = [r for r in range(info.world_size) if r != info.rank]
-        missing = [r for r in others if not _store.check([f"alive/{r}"])]
-        if not missing or time.monotonic() > deadline:
-            return missing
-        time.sleep(0.1)
-
-
-def failure(e: BaseException, info: DistInfo) -> DistFailure | None:
-    """Describe a RuntimeError raised while training with peers: a DistFailure naming this rank,
-    the operation and the peers that no longer answer, or None when `e` is not a peer failure
-    (every peer still answers and it is not a torch.distributed error: a plain bug, re-raise it)."""
-    peers = unresponsive_peers(info)
-    if peers == [] and not isinstance(e, dist.DistError):
-        return None
-    if peers is None:
-        host = "rank 0, its host," if _store_host_is_rank0 else "the process or node hosting it"
-        who = f"the rendezvous store does not answer ({host} is gone)"
-    elif peers:
-        who = f"rank {', '.join(map(str, peers))} does not answer (dead or stuck)"
-    else:
-        who = "every peer still answers (a desynchronised collective?)"
-    return DistFailure(
-        f"rank {info.rank} of {info.world_size}: {_operation(e)} failed: {who}; {first_line(e)}"
-    )
-
-
 def teardown(wait_for_peers: bool = True, timeout_s: float = 60.0) -> None:
     """Destroy the process group; after a clean run, the rank hosting the rendezvous store (rank 0
     when started without torchrun's agent) leaves last, so no peer loses the store mid-teardown.
     After a failure (wait_for_peers=False) nobody waits for peers that may be gone."""
-    global _store, _io_group
+    global _io_group
     _io_group = None
     if not dist.is_initialized():
         return
     rank, world = dist.get_rank(), dist.get_world_size()
     gc.collect()  # DDP/FSDP objects in reference cycles still hold the process group: free them
     dist.destroy_process_group()
-    store, _store = _store, None
-    if store is None or not wait_for_peers or world == 1:
-        return
-    with contextlib.suppress(RuntimeError, OSError), _muted_stderr():
-        if _store_host_is_rank0 and rank == 0:
-            store.set_timeout(datetime.timedelta(seconds=timeout_s))
-            store.wait([f"left/{r}" for r in range(1, world)])
-        else:
-            store.set(f"left/{rank}", "1")
+    failures.leave(rank, world, wait_for_peers, timeout_s)
 
 
 IO_TIMEOUT_S = 3 * 3600  # collectives around a checkpoint save or load (a slow filesystem)

@@ -16,6 +16,12 @@ Atomic like checkpoint.save: everything goes into `.tmp-step_...`; after every r
 hashed its files, rank 0 writes meta.json and renames the folder into place (checkpoint.publish).
 Needs a filesystem that every rank sees (a shared one on several nodes), as DCP does.
 
+checkpoint.async: `save_training` returns as soon as DCP's async_save has staged a copy of this
+rank's shards in host memory (and the small state is copied); a thread writes the shards while
+training goes on. The folder stays `.tmp-step_...`, invisible to resume, until `Pending.wait()`
+(the loop calls it at the next save, before a rollback, at the end and before a preemption exit)
+has every rank's files hashed and publishes it; one save is pending at most.
+
 Loading works on any world size, one process without a process group included (DCP reshards):
 every file is checked against meta.json BEFORE anything is read (the ranks split the hashing), and
 only tensors are stored in DCP files, so DCP unpickles nothing but its `.metadata` index (see
@@ -25,14 +31,17 @@ README: its hash is checked first). `gptrain export` / `sample` read the full mo
 
 from __future__ import annotations
 
+import copy
 import pickle
 import shutil
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.distributed as tdist
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from gptrain import checkpoint
@@ -49,13 +58,39 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def save_training(run_dir, step, model, optimizer, loader, train_state, meta, info):
+class Pending:
+    """A checkpoint that is not published yet: `wait()` (collective, once) completes it (every
+    rank's files written and hashed, meta.json, the rename into place, `latest`) and returns its
+    folder on the main process. Under checkpoint.async the shards are being written meanwhile."""
+
+    def __init__(self, step: int, finish) -> None:
+        self.step, self._finish = step, finish
+
+    def wait(self) -> Path | None:
+        return self._finish()
+
+
+def check_async(requested: bool, mode: str, info) -> None:
+    """checkpoint.async = true where this run writes full checkpoints (one process under
+    dist.mode = fsdp: nothing is sharded; validate.py refuses ddp) is one line, before anything
+    is written."""
+    if requested and not (mode == "fsdp" and info.world_size > 1):
+        raise UserError(
+            f"checkpoint.async = true but this run ({info.world_size} process) writes full checkpoints: background saving applies only to the sharded (DCP) checkpoints of FSDP2 runs with 2+ processes; use checkpoint.async=false"
+        )
+
+
+def save_training(run_dir, step, model, optimizer, loader, train_state, meta, info, background=False):  # fmt: skip
     """Collective: a checkpoint of every stateful part; sharded (DCP) for an FSDP2 model, else
-    checkpoint.save_training's full checkpoint. Returns the folder on the main process."""
+    checkpoint.save_training's full checkpoint. Returns a Pending save; call its wait() (every
+    rank) to publish it. background (checkpoint.async, DCP only): DCP's async_save stages a copy
+    of this rank's shards in host memory before it returns (so later optimizer steps cannot reach
+    the checkpoint) and writes it from a thread; everything else is captured now, too."""
     if not is_sharded(model):
-        return checkpoint.save_training(
+        path = checkpoint.save_training(
             run_dir, step, model, optimizer, loader, train_state, meta, info
         )
+        return Pending(step, lambda: path)
     import torch.distributed.checkpoint as dcp
 
     group = gdist.io_group()
@@ -69,30 +104,55 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
         tmp.mkdir()
     _barrier(group)
     tensors, others = _state(model, optimizer)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
+    writer = dcp.FileSystemWriter(tmp)
+    if background:  # the staged copy is taken here, in this thread, before it returns
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=group)
+        future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse: its write
+    else:
+        future = Future()
+        try:
+            future.set_result(dcp.save(tensors, storage_writer=writer, process_group=group))
+        except (Exception, CheckpointException) as e:  # reported on every rank by _publish
+            future.set_exception(e)
+    state = {  # the rest of the state at this step (small), written when published
+        "optimizer": copy.deepcopy(others),
+        "data": copy.deepcopy(loader.state_dict()),
+        "train_state": {**copy.deepcopy(train_state), "world_size": info.world_size},
+    }
+    rng = checkpoint._rng_state(info.device)
+    tied = checkpoint.shared_parameters(model)
+    finish = lambda: _publish(step, root, tmp, future, state, rng, meta, tied, info, group)  # noqa: E731
+    return Pending(step, finish)
+
+
+def _publish(step, root, tmp, future, state, rng, meta, tied, info, group):
+    """Collective (io group): wait for this rank's shards, hash them, agree that every rank's
+    write succeeded and that rank 0 sees every file; rank 0 writes state.pt and meta.json and
+    renames the folder into place (checkpoint.publish). A failed write is a UserError on every
+    rank (the temporary folder is removed; the previous checkpoint stays `latest`)."""
+    error = ""
+    try:
+        future.result()
+    except (Exception, CheckpointException) as e:  # a full disk, an I/O error, on any rank
+        error = f"cannot write checkpoint {tmp.name.removeprefix('.tmp-')} in {root} ({type(e).__name__}: {checkpoint.first_line(e)}); the previous checkpoint ({checkpoint.pointer(root) or 'none'}) is intact; free disk space and run the same command to resume"
     records = {  # each rank hashes the shards it wrote
         p.name: checkpoint._file_record(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))
     }
-    rng = checkpoint._rng_state(info.device)
     gathered = [None] * info.world_size
     tdist.all_gather_object(gathered, (records, rng), group=group)
-    error = ""
-    if info.is_main:  # every rank's shards must be in rank 0's folder: one filesystem for all
+    if info.is_main and not error:  # every rank's shards must be in rank 0's folder
         missing = [n for g in gathered for n in g[0] if not (tmp / n).is_file()]
         if missing:
             error = f"FSDP2 checkpoint step {step}: {missing[0]} written by another rank is not in {tmp} as rank 0 sees it; sharded checkpoints need run.dir on a filesystem every node sees (shared), or use dist.mode=ddp"
-    gdist.raise_on_every_rank(error)
+    failed = torch.tensor([1.0 if error else 0.0])
+    tdist.all_reduce(failed, group=group)
+    if failed.item():  # every rank stops; the one(s) that failed say why
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(error or "another rank failed (see its message above)")
     path = None
     if info.is_main:
-        state = {
-            "optimizer": others,
-            "data": loader.state_dict(),
-            "train_state": {
-                **train_state,
-                "world_size": info.world_size,
-                "rng": [g[1] for g in gathered],
-            },
-        }
+        state["train_state"]["rng"] = [g[1] for g in gathered]
         torch.save(state, tmp / "state.pt")
         checkpoint._fsync_file(tmp / "state.pt")
         tok_file = meta.get("tokenizer", {}).get("path")
@@ -102,7 +162,6 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
         for f in sorted(tmp.iterdir()):  # .metadata, state.pt, tokenizer.json: rank 0's own
             if f.name not in files:
                 files[f.name] = checkpoint._file_record(f)
-        tied = checkpoint.shared_parameters(model)
         meta_all = {
             "step": step,
             **meta,
@@ -112,7 +171,7 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
             "files": files,
         }
         checkpoint._fsync_write(tmp / "meta.json", (_json(meta_all) + "\n").encode())
-        path = checkpoint.publish(root, name, tmp)
+        path = checkpoint.publish(root, tmp.name.removeprefix(".tmp-"), tmp)
     _barrier(group)
     return path
 

@@ -27,9 +27,10 @@ from dataclasses import asdict
 
 import torch
 
-from gptrain import batch, checkpoint, dist, launch, retention, sharded
+from gptrain import batch, checkpoint, dist, failures, launch, retention, sharded
 from gptrain.build import build_training
-from gptrain.config import Config, load_config, parse_cli, to_toml
+from gptrain.cli import parse_cli
+from gptrain.config import Config, load_config, to_toml
 from gptrain.errors import UserError
 from gptrain.evals import evaluate
 from gptrain.guard import NonFinite, NonFiniteStop, Preemption, roll_back
@@ -60,6 +61,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     require_packages(cfg.log.tensorboard, cfg.log.wandb)
     mb, accum = batch.plan(t, info.world_size)  # a batch that cannot divide fails here
     dist.check_options(cfg.dist, accum, info)
+    sharded.check_async(cfg.checkpoint.async_, cfg.dist.mode, info)  # full checkpoints: refused
 
     # data: a prepared folder, or a built-in corpus prepared once per machine
     data_dir = dist.local_main_first(
@@ -159,7 +161,21 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         "config": to_toml(cfg),
     }
 
-    def save(step: int):
+    c, pending = cfg.checkpoint, None  # pending: a checkpoint.async save not yet published
+
+    def publish():  # collective: complete the pending save (rename, `latest`), then retention
+        nonlocal pending
+        done, pending = pending, None
+        if done is None:
+            return None
+        path = done.wait()
+        dist.on_main(info, lambda: retention.prune(run_dir, done.step, c.keep_last, c.keep_every))
+        logger.text(f"step {done.step}: checkpoint {path}")
+        return path
+
+    def save(step: int, wait: bool):
+        nonlocal pending
+        publish()  # at most one save pending: the previous one first
         meta_now = {**meta, "tokens": tokens_seen, **best}
         state = {
             "step": step,
@@ -168,13 +184,10 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             "skipped": nonfinite.count(),
             "rollbacks": rollbacks,
         }
-        path = sharded.save_training(  # DCP shards under FSDP2, else a full checkpoint
-            run_dir, step, model, optimizer, loader, state, meta_now, info
+        pending = sharded.save_training(  # DCP shards under FSDP2, else a full checkpoint
+            run_dir, step, model, optimizer, loader, state, meta_now, info, background=c.async_
         )
-        c = cfg.checkpoint  # retention, once the new checkpoint is complete and named in `latest`
-        dist.on_main(info, lambda: retention.prune(run_dir, step, c.keep_last, c.keep_every))
-        logger.text(f"step {step}: checkpoint {path}")
-        return path
+        return publish() if wait or not c.async_ else None
 
     def hellaswag_due(step: int) -> bool:
         every = cfg.eval.hellaswag_every
@@ -264,6 +277,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             if log_now or save_now or stop:  # steps that sync anyway: the non-finite policy
                 bad_step = nonfinite.check(step)  # raises NonFiniteStop (stop, max_skips)
                 if bad_step is not None:  # rollback
+                    publish()  # a pending save is a checked step's: roll back to it
                     rollbacks += 1
                     step, tokens_seen = roll_back(
                         bad_step, step, run_dir, model, optimizer, loader, info, windows_per_step,
@@ -293,7 +307,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                 if t.nonfinite == "rollback":
                     metrics["rollbacks"] = rollbacks
             if save_now or stop:  # before eval: an eval that fails cannot cost the checkpoint
-                saved_path = save(step)
+                saved_path = save(step, wait=last or stop)  # complete before the process exits
             if log_now:
                 metrics.update(run_eval_and_sample(step, eval_now, sample_now))
                 last_val.update({k: v for k, v in metrics.items() if k in EVAL_KEYS})
@@ -323,7 +337,8 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                 t_log = time.perf_counter()
     except (KeyboardInterrupt, NonFiniteStop) as e:
         loader.close()
-        if isinstance(e, NonFiniteStop):
+        if isinstance(e, NonFiniteStop):  # every rank stops here: a pending save is published
+            publish()
             logger.text(f"stopped: {e}", echo=False)  # main() prints it once
         elif info.is_main:  # only the main process reads the run directory
             logger.text(
@@ -399,7 +414,7 @@ def main(argv: list[str]) -> int:
         print(f"gptrain: error: {e}", file=sys.stderr)
         return 1
     except RuntimeError as e:  # a dead or stuck peer: one line naming rank and operation, exit 1
-        failure = dist.failure(e, info) if dist.active() else None
+        failure = failures.failure(e, info) if dist.active() else None
         if failure is None:
             raise
         print(f"gptrain: error: {failure}", file=sys.stderr)

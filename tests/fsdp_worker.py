@@ -8,7 +8,8 @@ mixed precision) in one process group and records per step the loss averaged ove
 - fsdp / fsdp_compile_ac: float32 FSDP2 without, and with per-block compile + activation
   checkpointing; "STEP n" markers on stderr let the test find recompiles after the first step;
 - ddp_bf16 / fsdp_bf16: bf16 under DDP + autocast and under FSDP2 + MixedPrecisionPolicy, with
-  the dtype of the residual stream (block 0's output) and of the loss.
+  the dtype of the residual stream (block 0's output) and of the loss;
+- async_save: a checkpoint.async save whose writer is held back while training moves on.
 """
 
 from __future__ import annotations
@@ -85,6 +86,73 @@ def init_matches_single_process(data_dir: str) -> dict:
     }
 
 
+def async_save_keeps_the_save_step(data_dir: str, run_dir: str) -> dict:
+    """checkpoint.async: save after step 1 with DCP's writer held back until two more optimizer
+    steps have changed every weight and moment; the checkpoint must hold step 1's state, stay
+    invisible until wait(), and then be the published `latest`."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from gptrain import checkpoint, dist, retention, sharded
+    from gptrain.build import build_training
+    from gptrain.config import load_config
+    from gptrain.loader import Dataset, TrainLoader
+    from gptrain.step import train_step
+
+    cfg = load_config(DEBUG, [f"data.dir={data_dir}", "dist.mode=fsdp", "train.micro_batch_size=4", "optim.warmup_steps=1"])  # fmt: skip
+    info, t = dist.DistInfo.from_env("cpu"), cfg.train
+    dataset = Dataset(cfg.data.dir)
+    loader = TrainLoader(dataset, t.seq_len, t.micro_batch_size, info.rank, info.world_size, t.seed)
+    model, wrapped, optimizer, _, autocast, scaler = build_training(cfg, info, dataset.vocab_size, t.dtype, False)  # fmt: skip
+    accum = t.total_batch_size // (t.micro_batch_size * t.seq_len * info.world_size)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def full():  # collective: (weights, AdamW first moments) gathered on rank 0, copied
+        m = {k: v.clone() for k, v in get_model_state_dict(model, options=opts).items()}
+        o = get_optimizer_state_dict(model, optimizer, options=opts).get("state", {})
+        return m, {k: v["exp_avg"].clone() for k, v in o.items()}
+
+    def step():
+        train_step(wrapped, model, optimizer, scaler, loader.next_batch, accum, autocast, 1.0)
+
+    step()
+    at_save, cursor = full(), loader.state_dict()["windows_consumed"]
+    gate, write = threading.Event(), dcp.FileSystemWriter.write_data
+
+    def held_back(self, *args, **kwargs):  # runs in DCP's thread
+        assert gate.wait(120)
+        return write(self, *args, **kwargs)
+
+    dcp.FileSystemWriter.write_data = held_back
+    pending = sharded.save_training(run_dir, 1, model, optimizer, loader, {"step": 1, "tokens": 0}, {}, info, background=True)  # fmt: skip
+    step()
+    step()
+    later = full()
+    tmp = Path(run_dir) / "checkpoints" / ".tmp-step_00000001"  # being written, not resumable:
+    hidden = tmp.is_dir() and retention.resume_point(run_dir, "auto") == (None, [])
+    gate.set()
+    path = pending.wait()
+    dcp.FileSystemWriter.write_data = write
+    out = {"hidden_before_wait": hidden, "published": path is not None or not info.is_main}
+    if info.is_main:
+        meta = checkpoint.load_meta(path)
+        saved = sharded.load_full(path, meta, "model.")
+        moments = sharded.load_full(path, meta, "optim.")
+        out["latest"] = checkpoint.latest(run_dir) == path
+        out["weights_at_save"] = all(torch.equal(saved[k], v) for k, v in at_save[0].items() if k in saved)  # fmt: skip
+        out["moments_at_save"] = all(torch.equal(moments[f"{k}.exp_avg"], v) for k, v in at_save[1].items())  # fmt: skip
+        out["weights_moved"] = all(not torch.equal(later[0][k], v) for k, v in at_save[0].items())
+        out["moments_moved"] = all(not torch.equal(later[1][k], v) for k, v in at_save[1].items())
+        out["cursor_at_save"] = checkpoint.load_state(path)["data"]["windows_consumed"] == cursor
+    return out
+
+
 def main(out_file: str, data_dir: str) -> None:
     from gptrain import dist
 
@@ -102,6 +170,7 @@ def main(out_file: str, data_dir: str) -> None:
     )
     result["ddp_bf16"] = variant(data_dir, STEPS, "dist.mode=ddp", "train.dtype=bfloat16")
     result["fsdp_bf16"] = variant(data_dir, STEPS, "dist.mode=fsdp", "train.dtype=bfloat16")
+    result["async_save"] = async_save_keeps_the_save_step(data_dir, str(Path(out_file).parent / "async"))  # fmt: skip
     dist.teardown()
     Path(f"{out_file}.{os.environ['RANK']}").write_text(json.dumps(result))
 

@@ -8,18 +8,19 @@ import time
 
 import torch
 
-from gptrain import dist
+from gptrain import dist, failures
 
 info = dist.DistInfo.from_env("cpu")
 dist.init(info, "gloo", 60)
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
 if attempt == "0":
-    dist._store.set(f"mark/{info.rank}", "attempt0")
+    failures._store.set(f"mark/{info.rank}", "attempt0")
     torch.distributed.barrier()
     if info.rank == 1:
         os._exit(3)  # the agent restarts both workers
     time.sleep(60)
     sys.exit(0)
-stale = dist._store.check([f"mark/{1 - info.rank}"])
-print(f"rank {info.rank} attempt {attempt} stale={stale}", flush=True)
+stale = failures._store.check([f"mark/{1 - info.rank}"])
+line = f"rank {info.rank} attempt {attempt} stale={stale}\n"
+os.write(1, line.encode())  # one write: two ranks' lines never interleave
 dist.teardown()

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from gptrain.__main__ import main as cli
-from gptrain.config import Config, accumulation_steps, help_text, load_config, to_toml
+from gptrain.cli import help_text
+from gptrain.config import Config, accumulation_steps, load_config, to_toml
 from gptrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,9 +121,33 @@ def test_cli_bad_input_is_one_line_exit_2(capsys):
 
 
 def test_cli_forms_of_overrides():
-    from gptrain.config import parse_cli
+    from gptrain.cli import parse_cli
 
     argv = ["--config", "c.toml", "--optim.lr=0.1", "--train.seq_len", "32", "--train.compile", "--log.every", "-1"]  # fmt: skip
     assert parse_cli(argv) == ("c.toml", ["optim.lr=0.1", "train.seq_len=32", "train.compile=true", "log.every=-1"])  # fmt: skip
     with pytest.raises(UserError, match="unexpected argument 'stray'"):
         parse_cli(["stray"])
+
+
+def test_checkpoint_async_key_and_its_refusals(tmp_path, capsys, monkeypatch):
+    """checkpoint.async (a Python keyword: field async_) round-trips through TOML and --help; it is
+    refused with one line where the run writes full checkpoints (ddp; one process under fsdp)
+    and where torch has no DCP async_save, before anything is written."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = load_config(None, ["checkpoint.async=true", "dist.mode=fsdp"])
+    assert cfg.checkpoint.async_ is True
+    assert load_config(write(tmp_path, to_toml(cfg))) == cfg
+    assert "--checkpoint.async (bool, default False)" in help_text()
+    run = tmp_path / "run"
+    for extra in (["--dist.mode=ddp"], ["--dist.mode=fsdp"]):
+        assert cli(["train", f"--run.dir={run}", "--checkpoint.async=true", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("gptrain: error: checkpoint.async = true") and "\n" not in err
+        assert "checkpoint.async=false" in err and "full checkpoints" in err
+    monkeypatch.delattr(dcp, "async_save")
+    assert cli(["train", f"--run.dir={run}", "--checkpoint.async=true", "--dist.mode=fsdp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "checkpoint.async = true needs torch.distributed.checkpoint.async_save" in err
+    assert "\n" not in err and "checkpoint.async=false" in err
+    assert not run.exists()

@@ -13,7 +13,7 @@ import dist_helpers as h
 import pytest
 import torch
 
-from gptrain import dist
+from gptrain import dist, failures
 from gptrain.build import build_model
 from gptrain.config import DistConfig, load_config
 from gptrain.model import GPT, GPTConfig
@@ -118,6 +118,19 @@ def test_fsdp_bf16_matches_ddp_autocast(fsdp_runs):
     assert max(abs(a - b) for a, b in zip(r["fsdp"]["losses"], ddp["losses"], strict=True)) > 1e-5
 
 
+@pytest.mark.slow
+def test_async_save_holds_the_state_at_its_step(fsdp_runs):
+    """checkpoint.async: DCP's writer held back for two more optimizer steps (tests/fsdp_worker.py);
+    the checkpoint holds the weights, AdamW moments and data cursor of its own step, and is
+    invisible to resume until it is published."""
+    for rank_result in fsdp_runs[0]:
+        r = rank_result["async_save"]
+        assert r["hidden_before_wait"] and r["published"]
+    r = fsdp_runs[0][0]["async_save"]
+    assert r["weights_moved"] and r["moments_moved"]  # training really moved on meanwhile
+    assert r["weights_at_save"] and r["moments_at_save"] and r["cursor_at_save"] and r["latest"]
+
+
 @pytest.fixture(scope="module")
 def dcp_run(byte_data, tmp_path_factory):
     """A 2-rank FSDP2 run (dropout on) with one sharded checkpoint, at its last step (4)."""
@@ -132,6 +145,70 @@ def _cli(*args):
     import sys
 
     return subprocess.run([sys.executable, "-m", "gptrain", *args], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_async_saved_run_resumes_like_the_uninterrupted_one(dcp_run, byte_data, tmp_path):
+    """dcp_run with checkpoint.async = true and a save at step 2, written while steps 3-4
+    trained and published at step 4's save: the final checkpoint is complete at exit 0 and equals
+    dcp_run's; resumed from step 2, the run reaches step 4 bit for bit like dcp_run (weights,
+    AdamW state, data cursor, RNG of every rank)."""
+    import shutil
+
+    from gptrain import checkpoint, sharded
+
+    def tensors(folder):
+        meta = checkpoint.load_meta(folder)
+        return {p: sharded.load_full(folder, meta, p) for p in ("model.", "optim.")}
+
+    def same(a, b) -> bool:
+        ta, tb = tensors(a), tensors(b)
+        equal = all(ta[p].keys() == tb[p].keys() and all(torch.equal(ta[p][k], v) for k, v in tb[p].items()) for p in tb)  # fmt: skip
+        sa, sb = checkpoint.load_state(a), checkpoint.load_state(b)
+        rngs = zip(sa["train_state"]["rng"], sb["train_state"]["rng"], strict=True)
+        return equal and sa["data"] == sb["data"] and all(torch.equal(x["torch"], y["torch"]) for x, y in rngs)  # fmt: skip
+
+    run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", "--dist.mode=fsdp", "--train.max_steps=4", "--model.dropout=0.1", "--train.micro_batch_size=4", *h.FAST, "--checkpoint.every=2", "--checkpoint.async=true"]  # fmt: skip
+    h.check_ok(h.wait_all(h.spawn([*args, f"--run.dir={run_dir}"]), 300))
+    root = run_dir / "checkpoints"
+    assert checkpoint.pointer(root) == "step_00000004" and not list(root.glob(".tmp-*"))
+    assert same(checkpoint.find(run_dir, 4), checkpoint.find(dcp_run, 4))
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
+    (resumed / "checkpoints" / "latest").write_text("step_00000002\n")
+    h.check_ok(h.wait_all(h.spawn([*args, f"--run.dir={resumed}"]), 300))
+    log = (resumed / "train.log").read_text()
+    assert f"resumed from {resumed / 'checkpoints' / 'step_00000002'}" in log
+    assert same(checkpoint.find(resumed, 4), checkpoint.find(dcp_run, 4))
+
+
+@pytest.mark.slow
+def test_async_preemption_checkpoint_is_complete_at_exit_0(byte_data, tmp_path):
+    """checkpoint.async, SIGTERM to rank 1 mid-run: both ranks publish the pending background save,
+    save the stop step, wait for it and exit 0; `latest` names the stop step, which is valid, and
+    no temporary folder is left."""
+    import signal
+    import time
+
+    from gptrain import checkpoint, retention
+
+    run_dir = tmp_path / "run"
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--dist.mode=fsdp", "--train.max_steps=60", "--train.micro_batch_size=4", *h.FAST, "--checkpoint.every=2", "--checkpoint.async=true"]  # fmt: skip
+    procs = h.spawn(args)
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if metrics.is_file() and '"step": 5,' in metrics.read_text():
+            break
+        time.sleep(0.01)
+    procs[1].send_signal(signal.SIGTERM)
+    results = h.wait_all(procs, timeout=240)
+    h.check_ok(results)
+    stopped = checkpoint.latest(run_dir)
+    step = checkpoint.load_meta(stopped)["step"]
+    assert 5 <= step < 60 and retention.problem(stopped) is None, step
+    assert f"checkpoint {stopped} is complete" in results[0][1] + results[0][2]
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
 
 
 @pytest.mark.slow
@@ -220,10 +297,10 @@ def test_crafted_dcp_index_runs_nothing(dcp_run, tmp_path):
 
 def test_nccl_errors_surface_as_exceptions_and_user_settings_win():
     env = {}
-    dist.nccl_error_handling(env)
+    failures.nccl_error_handling(env)
     assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # abort communicators, not the process
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
-    dist.nccl_error_handling(env)
+    failures.nccl_error_handling(env)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert dist.attempt_prefix({"TORCHELASTIC_RESTART_COUNT": "2"}) != dist.attempt_prefix({})
 
