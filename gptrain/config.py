@@ -36,6 +36,11 @@ class ModelConfig:
     n_head: int = opt(4, "attention heads per block (ignored when preset is set)")
     n_embd: int = opt(256, "model width; must be divisible by n_head (ignored when preset is set)")
     dropout: float = opt(0.0, "dropout probability in [0, 1)")
+    gelu: str = opt(
+        "tanh",
+        "the MLP's GELU: tanh (GPT-2's approximation; Hugging Face gelu_new) or erf (exact, as nanoGPT; Hugging Face gelu; in bf16 on CPUs ~2.7x faster)",
+        ("tanh", "erf"),
+    )
     block_size: int = opt(0, "maximum context length; 0 means train.seq_len")
     init_from: str = opt(
         "",
@@ -77,6 +82,11 @@ class TrainConfig:
         "none",
         "none, or blocks: recompute each transformer block in backward instead of keeping its activations (less memory, ~1/3 more compute)",
         ("none", "blocks"),
+    )
+    attention: str = opt(
+        "auto",
+        "attention kernel: sdpa (scaled_dot_product_attention: flash on GPUs and CPUs), matmul (two matmuls around a float32 softmax, the (T, T) scores materialised), or auto: matmul on a CPU when seq_len <= 128 (measured faster there), else sdpa",
+        ("auto", "sdpa", "matmul"),
     )
     tf32: bool = opt(
         True,

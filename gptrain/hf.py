@@ -36,12 +36,16 @@ CONV1D_SUFFIXES = (
 HF_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
+HF_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}  # HF name -> model.gelu
+
+
 def config_from_hf(hf_config, dropout: float = 0.0) -> GPTConfig:
     """GPTConfig of a transformers GPT2Config (refusing variants this model does not implement)."""
     c = hf_config
-    if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+    gelu = HF_GELU.get(c.activation_function)
+    if gelu is None:
         raise ValueError(
-            f"activation {c.activation_function!r}: only tanh-GELU (GPT-2) is supported"
+            f"activation {c.activation_function!r}: only tanh-GELU (GPT-2: gelu_new, gelu_pytorch_tanh) and exact GELU (gelu) are supported"
         )
     if c.layer_norm_epsilon != 1e-5 or not c.scale_attn_weights:
         raise ValueError("only GPT-2's LayerNorm eps 1e-5 and 1/sqrt(head) attention scaling")
@@ -58,6 +62,7 @@ def config_from_hf(hf_config, dropout: float = 0.0) -> GPTConfig:
         n_embd=c.n_embd,
         dropout=dropout,
         bias=True,
+        gelu=gelu,
     )
 
 
@@ -74,7 +79,7 @@ def hf_config_dict(config: GPTConfig, eot_id: int) -> dict:
         "n_layer": config.n_layer,
         "n_head": config.n_head,
         "n_inner": None,  # 4 * n_embd
-        "activation_function": "gelu_new",  # tanh GELU
+        "activation_function": "gelu_new" if config.gelu == "tanh" else "gelu",
         "layer_norm_epsilon": 1e-5,
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,

@@ -58,6 +58,8 @@ def test_int_in_file_accepted_for_float_and_sci_notation_on_cli(tmp_path):
         ("", ["train.max_steps=1.5"], "train.max_steps"),
         ("", ["train.compile=maybe"], "train.compile"),
         ("", ["train.dtype=float64"], "train.dtype"),
+        ("", ["train.attention=flash"], "train.attention"),
+        ("", ["model.gelu=relu"], "model.gelu"),
         ("", ["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr"),
         ("", ["model.n_embd=100", "model.n_head=3"], "model.n_embd"),
         ("", ["optim.warmup_steps=500", "train.max_steps=100"], "optim.warmup_steps"),

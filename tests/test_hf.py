@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptrain.hf import config_from_hf, from_hf_state_dict, to_hf_state_dict
+from gptrain.hf import config_from_hf, from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from gptrain.model import GPT, PRESETS, GPTConfig
 
 transformers = pytest.importorskip("transformers")
@@ -58,11 +58,17 @@ def test_hf_to_gptrain_same_logits_and_loss():
     torch.testing.assert_close(loss, out.loss, rtol=0, atol=1e-5)
 
 
-def test_gptrain_to_hf_same_logits_and_loss():
+@pytest.mark.parametrize("gelu", ["tanh", "erf"])
+def test_gptrain_to_hf_same_logits_and_loss(gelu):
+    """Both GELUs: tanh is GPT-2's (HF gelu_new), erf the exact one (HF gelu)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=64)).eval()
+    config = GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=64, gelu=gelu)
+    model = GPT(config).eval()
     _randomize(model, seed=1)
-    hf = transformers.GPT2LMHeadModel(_hf_config()).eval()
+    hf_config = _hf_config(**hf_config_dict(config, eot_id=0))
+    assert hf_config.activation_function == {"tanh": "gelu_new", "erf": "gelu"}[gelu]
+    assert config_from_hf(hf_config) == config
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
     hf.load_state_dict(to_hf_state_dict(model), strict=True)
     idx = _batch(1)
     with torch.no_grad():

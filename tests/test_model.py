@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from gptrain.model import GPT, PRESETS, GPTConfig, KVCache
+from gptrain.model import GPT, PRESETS, GPTConfig, KVCache, matmul_attention
 
 
 def tiny(**kw) -> GPTConfig:
@@ -314,3 +314,52 @@ def test_fsdp2_fully_shard_from_outside_matches_plain_model():
         assert torch.equal(sharded.generate(prompt, 5, temperature=0), ref.generate(prompt, 5, 0))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("T", [1, 7, 32])
+def test_matmul_attention_equals_sdpa(T):
+    """The explicit attention is SDPA's causal attention: outputs and all three input gradients."""
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(3, 2, T, 16, generator=g, requires_grad=True) for _ in range(3))
+    go = torch.randn(3, 2, T, 16, generator=g)
+    ours = torch.autograd.grad(
+        (matmul_attention(q, k, v) * go).sum(), (q, k, v), retain_graph=False
+    )
+    with sdpa_kernel(SDPBackend.MATH):
+        ref_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = torch.autograd.grad((ref_out * go).sum(), (q, k, v))
+    torch.testing.assert_close(matmul_attention(q, k, v), ref_out, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_model_with_matmul_attention_trains_like_sdpa():
+    """set_attention("matmul"): same loss and gradients in float32, close under bf16 autocast."""
+    idx = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for impl in ("sdpa", "matmul"):
+        model = make().train()
+        model.set_attention(impl)
+        _, loss = model(idx, idx)
+        loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, bf16 = model(idx, idx)
+        results[impl] = (loss, bf16, {n: p.grad for n, p in model.named_parameters()})
+    (l1, b1, g1), (l2, b2, g2) = results["sdpa"], results["matmul"]
+    torch.testing.assert_close(l2, l1, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(b2, b1, rtol=2e-2, atol=2e-2)
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], rtol=1e-4, atol=1e-6, msg=n)
+    with pytest.raises(ValueError, match="sdpa or matmul"):
+        make().set_attention("flash")
+
+
+def test_gelu_choice_is_the_mlp_activation():
+    x = torch.randn(4, 8, 32)
+    for gelu, approximate in (("tanh", "tanh"), ("erf", "none")):
+        mlp = make(gelu=gelu).transformer.h[0].mlp
+        want = mlp.c_proj(F.gelu(mlp.c_fc(x), approximate=approximate))
+        torch.testing.assert_close(mlp(x), want, rtol=0, atol=0)
+    assert not torch.equal(make(gelu="tanh")(torch.arange(16)[None])[0], make(gelu="erf")(torch.arange(16)[None])[0])  # fmt: skip
+    with pytest.raises(ValueError, match="tanh or erf"):
+        tiny(gelu="relu")

@@ -465,3 +465,30 @@ def test_killed_between_the_renames_of_a_re_save_resumes(byte_data, tmp_path):
     assert checkpoint.latest(cut) == root / ".old-step_00000006"
     assert run(byte_data, cut, *common, "train.max_steps=9")["steps"] == 9  # and it goes on
     assert checkpoint.latest(cut) == root / "step_00000009"
+
+
+def test_attention_auto_rule():
+    from gptrain.build import attention_kernel
+
+    assert attention_kernel("auto", "cpu", 128) == "matmul"
+    assert attention_kernel("auto", "cpu", 256) == "sdpa"
+    assert attention_kernel("auto", "cuda", 32) == "sdpa"
+    assert attention_kernel("sdpa", "cpu", 32) == "sdpa"
+    assert attention_kernel("matmul", "cuda", 1024) == "matmul"
+
+
+def test_resume_with_another_gelu_is_refused(byte_data, tmp_path, capsys):
+    """No parameter shape changes with model.gelu: without this check a resume would go on
+    silently with another function. One line, exit 2, the run directory untouched."""
+    run_dir = tmp_path / "run"
+    common = ["train.max_steps=2", "optim.warmup_steps=1", "eval.every=0", "eval.sample_every=0"]
+    common += ["checkpoint.every=2"]
+    run(byte_data, run_dir, *common, "model.gelu=erf")
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
+    args += [f"--{o}" for o in common] + ["--train.max_steps=4", "--log.progress=false"]
+    capsys.readouterr()
+    assert cli(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.gelu = 'tanh'" in err[0] and "--model.gelu=erf" in err[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
