@@ -10,6 +10,8 @@ shapes and reports, per shape:
 
     PYTHONPATH=. python benchmarks/bench_overhead.py                  # both shapes
     PYTHONPATH=. python benchmarks/bench_overhead.py --shape small --steps 50
+    # "before": an older checkout's code and config, the same script
+    PYTHONPATH=/path/to/old python benchmarks/bench_overhead.py --config /path/to/old/configs/bench.toml
 
 small = nanoGPT's CPU recipe (4 layers, 4 heads, width 128, 12 x 64 = 768 tokens/step);
 bench = configs/bench.toml (4 layers, width 256, 16 x 256 tokens/step). Byte-level tiny
@@ -36,7 +38,7 @@ SHAPES = {
 }  # fmt: skip
 
 
-def setup(shape: str, data_dir: Path, dtype: str, optim: str):
+def setup(shape: str, data_dir: Path, dtype: str, optim: str, config: str | None = None):
     from gptrain.build import build_training
     from gptrain.config import accumulation_steps, load_config
     from gptrain.dist import DistInfo
@@ -44,7 +46,7 @@ def setup(shape: str, data_dir: Path, dtype: str, optim: str):
 
     overrides = [f"data.dir={data_dir}", f"train.dtype={dtype}", "train.max_steps=1000",
                  f"optim.name={optim}", *SHAPES[shape]]  # fmt: skip
-    cfg = load_config(str(REPO / "configs" / "bench.toml"), overrides)
+    cfg = load_config(config or str(REPO / "configs" / "bench.toml"), overrides)
     info = DistInfo()
     ds = Dataset(data_dir)
     t = cfg.train
@@ -99,8 +101,8 @@ def prof_thread(prof):
     return next(e.thread for e in prof.events() if e.name == "gptrain_step")
 
 
-def measure(shape, data_dir, dtype, optim, steps, warmup):
-    parts = setup(shape, data_dir, dtype, optim)
+def measure(shape, data_dir, dtype, optim, steps, warmup, config=None):
+    parts = setup(shape, data_dir, dtype, optim, config)
     step = make_step(*parts)
     for _ in range(warmup):
         step()
@@ -131,6 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--optim", default="adamw")
+    p.add_argument("--config", help="the bench model's config file (default configs/bench.toml); pass an older checkout's to compare the same model")  # fmt: skip
     p.add_argument("--input", default=str(REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"))  # fmt: skip
     args = p.parse_args(argv)
     from gptrain.prepare import prepare
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
         print("| shape | tokens/step | step ms | outside torch ops |")
         print("|---|---:|---:|---:|")
         for shape in shapes:
-            ms, outside = measure(shape, data, args.dtype, args.optim, args.steps, args.warmup)
+            ms, outside = measure(shape, data, args.dtype, args.optim, args.steps, args.warmup, args.config)  # fmt: skip
             tokens = 768 if shape == "small" else 4096
             print(f"| {shape} | {tokens} | {ms:.1f} | {outside:.1%} |")
             sys.stdout.flush()
