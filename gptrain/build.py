@@ -106,8 +106,8 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
         )
     if not on_meta:
         model = model.to(info.device)
-    model.set_attention(attention_kernel(cfg.train.attention, info.device_type, cfg.train.seq_len))
     ptdtype = resolve_dtype(dtype, info.device_type, fsdp)
+    model.set_attention(attention_kernel(cfg.train.attention, info.device_type, cfg.train.seq_len, ptdtype))  # fmt: skip
     set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
     wrapped = dist.wrap_model(
         model,
@@ -124,13 +124,15 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     return model, wrapped, optimizer, ptdtype, autocast, scaler
 
 
-def attention_kernel(choice: str, device_type: str, seq_len: int) -> str:
-    """train.attention: auto is matmul on a CPU for windows <= 128 tokens, where SDPA's CPU flash
-    kernel is slow (AMD EPYC, bf16, per layer forward + backward: T = 32 6x, T = 128 2.4x slower),
-    else sdpa (from T = 512 on the flash kernel is faster, and it never holds the (T, T) scores)."""
+def attention_kernel(choice: str, device_type: str, seq_len: int, dtype: torch.dtype) -> str:
+    """train.attention: auto is matmul on a CPU computing in bf16 (or fp16) with windows <= 256
+    tokens, where SDPA's CPU flash kernel is slow (AMD EPYC, bf16, one training step against
+    SDPA: race shape T = 32 0.64x the time, bench shape T = 256 0.80x), else sdpa (in float32
+    the flash kernel is as fast or faster; from T = 512 on it wins, and it never holds scores)."""
     if choice != "auto":
         return choice
-    return "matmul" if device_type == "cpu" and seq_len <= 128 else "sdpa"
+    low = dtype in (torch.bfloat16, torch.float16)
+    return "matmul" if device_type == "cpu" and low and seq_len <= 256 else "sdpa"
 
 
 def init_sharded(model: torch.nn.Module, device: str) -> None:

@@ -316,7 +316,7 @@ def test_fsdp2_fully_shard_from_outside_matches_plain_model():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("T", [1, 7, 32])
+@pytest.mark.parametrize("T", [1, 7, 32, 128, 129, 300])
 def test_matmul_attention_equals_sdpa(T):
     """The explicit attention is SDPA's causal attention: outputs and all three input gradients."""
     g = torch.Generator().manual_seed(T)

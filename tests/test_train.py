@@ -470,11 +470,13 @@ def test_killed_between_the_renames_of_a_re_save_resumes(byte_data, tmp_path):
 def test_attention_auto_rule():
     from gptrain.build import attention_kernel
 
-    assert attention_kernel("auto", "cpu", 128) == "matmul"
-    assert attention_kernel("auto", "cpu", 256) == "sdpa"
-    assert attention_kernel("auto", "cuda", 32) == "sdpa"
-    assert attention_kernel("sdpa", "cpu", 32) == "sdpa"
-    assert attention_kernel("matmul", "cuda", 1024) == "matmul"
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert attention_kernel("auto", "cpu", 256, bf16) == "matmul"
+    assert attention_kernel("auto", "cpu", 512, bf16) == "sdpa"
+    assert attention_kernel("auto", "cpu", 32, f32) == "sdpa"
+    assert attention_kernel("auto", "cuda", 32, bf16) == "sdpa"
+    assert attention_kernel("sdpa", "cpu", 32, bf16) == "sdpa"
+    assert attention_kernel("matmul", "cuda", 1024, f32) == "matmul"
 
 
 def test_resume_with_another_gelu_is_refused(byte_data, tmp_path, capsys):
