@@ -125,14 +125,15 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
 
 
 def attention_kernel(choice: str, device_type: str, seq_len: int, dtype: torch.dtype) -> str:
-    """train.attention: auto is matmul on a CPU computing in bf16 (or fp16) with windows <= 256
-    tokens, where SDPA's CPU flash kernel is slow (AMD EPYC, bf16, one training step against
-    SDPA: race shape T = 32 0.64x the time, bench shape T = 256 0.80x), else sdpa (in float32
-    the flash kernel is as fast or faster; from T = 512 on it wins, and it never holds scores)."""
+    """train.attention: auto is matmul (float32 attention) on a CPU computing in bf16 or fp16 with
+    windows <= 64 tokens, where SDPA's CPU flash kernel is slow in bf16 (AMD EPYC, one training
+    step's time against SDPA: T = 32 0.78x, T = 64 0.85x, T = 128 1.0x), else sdpa (it never
+    holds the (T, T) scores; in float32 it is as fast; bf16 scores would be faster at T = 256
+    but trained measurably worse)."""
     if choice != "auto":
         return choice
     low = dtype in (torch.bfloat16, torch.float16)
-    return "matmul" if device_type == "cpu" and low and seq_len <= 256 else "sdpa"
+    return "matmul" if device_type == "cpu" and low and seq_len <= 64 else "sdpa"
 
 
 def init_sharded(model: torch.nn.Module, device: str) -> None:

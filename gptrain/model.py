@@ -129,21 +129,24 @@ class CausalSelfAttention(nn.Module):
 def matmul_attention(
     q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, block: int = 128
 ) -> Tensor:
-    """Causal attention as matmuls around a float32 softmax: the same function as
-    scaled_dot_product_attention(is_causal=True). Queries go in blocks of `block` rows, each
-    against the keys up to its last row only, so the masked future costs ~T^2/2 instead of T^2
-    (the scores of one block are materialised). On CPUs, for windows up to a few hundred
-    tokens, much faster than SDPA's flash kernel (bf16, per layer: T = 32 6x, T = 256 1.6x)."""
-    T = q.size(-2)
+    """Causal attention computed in float32 (scores, softmax, P @ V and so their gradients, as
+    SDPA's flash kernel keeps them; with bf16 scores or P @ V a run trained measurably worse),
+    the result in v's dtype: the same function as scaled_dot_product_attention(is_causal=True).
+    Queries go in blocks of `block` rows, each against the keys up to its last row only (~T^2/2
+    work), the scores of one block materialised. On CPUs, for short windows in bf16, faster than
+    SDPA's flash kernel (race shape, T = 32: a training step takes 0.7x the time)."""
+    T, dtype = q.size(-2), v.dtype
+    q, k, v = q.float(), k.float(), v.float()  # (B, nh, T, hs) each
     outs = []
-    for start in range(0, T, block):
-        end = min(start + block, T)  # rows start..end-1 see keys 0..end-1
-        mask = torch.full((end - start, end), float("-inf"), device=q.device).triu(start + 1)
-        att = (q[..., start:end, :] @ k[..., :end, :].transpose(-2, -1)).float()  # (B, nh, n, end)
-        att = (att * (1.0 / math.sqrt(q.size(-1))) + mask).softmax(dim=-1)
-        att = F.dropout(att, dropout_p) if dropout_p else att
-        outs.append(att.to(v.dtype) @ v[..., :end, :])  # (B, nh, n, hs)
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)  # (B, nh, T, hs)
+    with torch.autocast(q.device.type, enabled=False):  # no bf16 matmuls in here
+        for start in range(0, T, block):
+            end = min(start + block, T)  # rows start..end-1 see keys 0..end-1
+            mask = torch.full((end - start, end), float("-inf"), device=q.device).triu(start + 1)
+            att = q[..., start:end, :] @ k[..., :end, :].transpose(-2, -1)  # (B, nh, n, end)
+            att = (att * (1.0 / math.sqrt(q.size(-1))) + mask).softmax(dim=-1)
+            att = F.dropout(att, dropout_p) if dropout_p else att
+            outs.append(att @ v[..., :end, :])  # (B, nh, n, hs)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)).to(dtype)  # (B, nh, T, hs)
 
 
 class MLP(nn.Module):

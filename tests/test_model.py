@@ -348,6 +348,9 @@ def test_model_with_matmul_attention_trains_like_sdpa():
     (l1, b1, g1), (l2, b2, g2) = results["sdpa"], results["matmul"]
     torch.testing.assert_close(l2, l1, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(b2, b1, rtol=2e-2, atol=2e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 inside, the result in bf16
+        q = torch.randn(2, 2, 8, 16, dtype=torch.bfloat16)
+        assert matmul_attention(q, q, q).dtype == torch.bfloat16
     for n in g1:
         torch.testing.assert_close(g2[n], g1[n], rtol=1e-4, atol=1e-6, msg=n)
     with pytest.raises(ValueError, match="sdpa or matmul"):
