@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +99,15 @@ def wait_all(procs, timeout: float = 120) -> list[tuple[int, str, str]]:
             p.kill()
         raise
     return out
+
+
+def wait_for_step(run_dir: Path, procs, step: int, timeout: float = 240) -> None:
+    """Until the run's metrics.jsonl has a row for `step` (or a process ended, or time ran out)."""
+    metrics, deadline = Path(run_dir) / "metrics.jsonl", time.time() + timeout
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if metrics.is_file() and f'"step": {step},' in metrics.read_text():
+            return
+        time.sleep(0.01)
 
 
 def check_ok(results) -> None:

@@ -189,18 +189,13 @@ def test_async_preemption_checkpoint_is_complete_at_exit_0(byte_data, tmp_path):
     save the stop step, wait for it and exit 0; `latest` names the stop step, which is valid, and
     no temporary folder is left."""
     import signal
-    import time
 
     from gptrain import checkpoint, retention
 
     run_dir = tmp_path / "run"
     args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--dist.mode=fsdp", "--train.max_steps=60", "--train.micro_batch_size=4", *h.FAST, "--checkpoint.every=2", "--checkpoint.async=true"]  # fmt: skip
     procs = h.spawn(args)
-    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
-    while time.time() < deadline and all(p.poll() is None for p in procs):
-        if metrics.is_file() and '"step": 5,' in metrics.read_text():
-            break
-        time.sleep(0.01)
+    h.wait_for_step(run_dir, procs, 5)
     procs[1].send_signal(signal.SIGTERM)
     results = h.wait_all(procs, timeout=240)
     h.check_ok(results)

@@ -306,11 +306,7 @@ def test_sigterm_to_one_rank_saves_exits_0_and_the_rerun_equals_an_uninterrupted
     full, cut = tmp_path / "full", tmp_path / "cut"
     h.check_ok(h.wait_all(h.spawn(args(full)), timeout=300))
     procs = h.spawn(args(cut))
-    metrics, deadline = cut / "metrics.jsonl", time.time() + 240
-    while time.time() < deadline and all(p.poll() is None for p in procs):
-        if metrics.is_file() and '"step": 5,' in metrics.read_text():
-            break
-        time.sleep(0.01)
+    h.wait_for_step(cut, procs, 5)
     procs[1].send_signal(signal.SIGTERM)
     ckpts = cut / "checkpoints"
     while all(p.poll() is None for p in procs) and not (ckpts.is_dir() and any(ckpts.iterdir())):
