@@ -1,19 +1,20 @@
 """GPT-2, exactly: token + learned position embeddings, pre-LayerNorm blocks, tied output head.
 
 Module names follow nanoGPT / Hugging Face (`transformer.h.3.attn.c_attn`, ...) so weights map
-one to one (see gptrain/hf.py). This file imports only torch and knows nothing about distributed
-training: DDP, FSDP2 `fully_shard` (per `transformer.h[i]`, then the root), activation
-checkpointing and torch.compile are applied from outside.
+one to one (see gptrain/hf.py). This file imports only torch (and gptrain/losses.py, which
+imports only torch) and knows nothing about distributed training: DDP, FSDP2 `fully_shard` (per
+`transformer.h[i]`, then the root), activation checkpointing, torch.compile and the choice of
+attention kernel are applied from outside.
 
 Vocabulary padding: the embedding table has `padded_vocab_size` rows (a multiple of 64, faster
 matmuls), but logits are only returned for the `vocab_size` real tokens. Padded ids therefore
 can never be sampled, and a padded id given as a target is out of range for cross-entropy
 (an error, not a silent bug).
 
-The loss never materialises the (B, T, V) float32 logits: `linear_cross_entropy` runs the output
-head and the cross-entropy over chunks of rows, and (when gradients are needed) computes the
-chunk's input and weight gradients right there, so at most one chunk's logits are alive in forward
-and none in backward. Same value and gradients as the plain computation, same FLOPs.
+The loss never materialises the (B, T, V) float32 logits: `linear_cross_entropy` (losses.py) runs
+the output head and the cross-entropy over chunks of rows, and (when gradients are needed)
+computes the chunk's input and weight gradients right there, so at most one chunk's logits are
+alive in forward and none in backward. Same value and gradients as the plain computation.
 
 Shapes: B batch, T time (sequence), C n_embd, nh heads, hs head size (C // nh), V vocab_size.
 """
@@ -29,11 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-IGNORE_INDEX = -1  # targets with this value are left out of the loss
-
-# Rows per loss chunk = LOSS_CHUNK_ELEMENTS // padded vocab: one chunk's float32 logits are 128 MiB
-# (GPT-2: 667 rows). Large enough to keep matmuls efficient, small next to the activations.
-LOSS_CHUNK_ELEMENTS = 2**25
+from gptrain.losses import LOSS_CHUNK_ELEMENTS, chunked_loss, linear_cross_entropy
 
 
 @dataclass
@@ -45,9 +42,8 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers (GPT-2: True)
-    gelu: str = (
-        "tanh"  # tanh: GPT-2's approximation (HF "gelu_new"); erf: exact (nanoGPT, HF "gelu")
-    )
+    # tanh: GPT-2's approximation (HF "gelu_new"); erf: exact (nanoGPT, HF "gelu")
+    gelu: str = "tanh"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -100,9 +96,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.impl = (
-            "sdpa"  # or "matmul" (see matmul_attention); set from outside, GPT.set_attention
-        )
+        # "sdpa" or "matmul" (see matmul_attention), chosen from outside: GPT.set_attention
+        self.impl = "sdpa"
 
     def forward(self, x: Tensor, cache: KVCache | None = None, pos: int = 0) -> Tensor:
         B, T, C = x.shape
@@ -134,7 +129,7 @@ def matmul_attention(
     the result in v's dtype: the same function as scaled_dot_product_attention(is_causal=True).
     Queries go in blocks of `block` rows, each against the keys up to its last row only (~T^2/2
     work), the scores of one block materialised. On CPUs, for short windows in bf16, faster than
-    SDPA's flash kernel (race shape, T = 32: a training step takes 0.7x the time)."""
+    SDPA's flash kernel (race shape, T = 32: a training step takes 0.78x the time)."""
     T, dtype = q.size(-2), v.dtype
     q, k, v = q.float(), k.float(), v.float()  # (B, nh, T, hs) each
     outs = []
@@ -235,7 +230,7 @@ class GPT(nn.Module):
             if reduction == "none":
                 per_token = torch.zeros(targets.numel(), dtype=torch.float32, device=x.device)
                 with torch.no_grad():
-                    _chunked_loss(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size, rows, False, per_token)  # fmt: skip
+                    chunked_loss(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size, rows, False, per_token)  # fmt: skip
                 return None, per_token.view(targets.shape)  # (B, T)
             loss = linear_cross_entropy(
                 x.reshape(-1, x.size(-1)),  # (B*T, C)
@@ -348,82 +343,3 @@ def sample_next(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits, dim=-1)  # (B, V)
     return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-def linear_cross_entropy(
-    x: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, chunk_rows: int
-) -> Tensor:
-    """Mean cross-entropy of the logits x @ weight.T (only the first vocab_size columns), in
-    float32, without ever holding more than chunk_rows rows of logits.
-
-    x (N, C), weight (padded V, C), targets (N,) int64 with IGNORE_INDEX for ignored rows. Equal
-    in value and gradients to `F.cross_entropy((x @ weight.T)[:, :vocab_size].float(), targets,
-    ignore_index=-1)` (the matmuls in the same dtype, e.g. bf16 under autocast). With gradients
-    enabled the chunks' gradients are computed in forward (Liger-kernel style), so backward only
-    rescales them: no recomputation, no logits kept for backward.
-    """
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_rows)
-    loss_sum, n_valid, _, _ = _chunked_loss(x, weight, targets, vocab_size, chunk_rows, False)
-    return loss_sum / n_valid
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, targets, vocab_size, chunk_rows):
-        loss_sum, n_valid, grad_x, grad_w = _chunked_loss(
-            x, weight, targets, vocab_size, chunk_rows, True
-        )
-        ctx.weight_dtype = weight.dtype
-        ctx.save_for_backward(grad_x, grad_w, n_valid)
-        return loss_sum / n_valid
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_x, grad_w, n_valid = ctx.saved_tensors  # gradients of the loss SUM
-        scale = grad_loss / n_valid  # d(mean)/d(sum) times the incoming gradient
-        return (
-            (grad_x * scale).to(grad_x.dtype),
-            (grad_w * scale).to(ctx.weight_dtype),
-            None,
-            None,
-            None,
-        )
-
-
-def _chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads, row_losses=None):
-    """(sum of the per-row losses, number of counted rows, d sum/dx, d sum/dweight) chunk by chunk;
-    with `row_losses` (N,), each row's loss is also written there (0 for ignored rows).
-
-    The gradients are of the loss SUM (softmax - one-hot, without the 1/N of the mean): their
-    matmul inputs are in [-1, 1], not [-1/N, 1/N], so float16 (which has no GradScaler factor
-    here) keeps them as well as it keeps the plain path's scaled gradients; the caller scales.
-    """
-    N, padded_vocab = x.size(0), weight.size(0)
-    acc = torch.promote_types(weight.dtype, torch.float32)  # float32 (float64 stays float64)
-    keep_all = targets != IGNORE_INDEX  # (N,)
-    n_valid = keep_all.sum()
-    loss_sum = torch.zeros((), dtype=acc, device=x.device)
-    grad_x = torch.empty_like(x) if with_grads else None  # (N, C)
-    grad_w = torch.zeros(weight.shape, dtype=acc, device=x.device) if with_grads else None
-    for start in range(0, N, chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        x_c, t_c, keep = x[rows], targets[rows], keep_all[rows]  # (n, C), (n,), (n,)
-        logits = (x_c @ weight.t()).to(acc)  # (n, padded V)
-        if padded_vocab > vocab_size:
-            logits[:, vocab_size:] = float("-inf")  # padded ids: probability 0
-        safe = torch.where(keep, t_c, 0)  # ignored rows read column 0 (then masked); ids >= V raise
-        lse = torch.logsumexp(logits, dim=1)  # (n,)
-        target_logit = logits[:, :vocab_size].gather(1, safe[:, None]).squeeze(1)  # (n,)
-        row_loss = torch.where(keep, lse - target_logit, 0.0)  # (n,)
-        loss_sum = loss_sum + row_loss.sum()
-        if row_losses is not None:
-            row_losses[rows] = row_loss
-        if with_grads:
-            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: (n, padded V)
-            grad.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))
-            grad.mul_(keep[:, None])  # ignored rows contribute nothing
-            grad = grad.to(weight.dtype)
-            grad_x[rows] = grad @ weight  # (n, C)
-            grad_w += grad.t() @ x_c  # (padded V, C), accumulated in float32
-    return loss_sum, n_valid, grad_x, grad_w

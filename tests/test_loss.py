@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gptrain.model import GPT, GPTConfig, linear_cross_entropy
+from gptrain.losses import linear_cross_entropy
+from gptrain.model import GPT, GPTConfig
 
 
 def make(vocab_size: int = 100, seed: int = 0) -> GPT:
