@@ -128,8 +128,9 @@ def attention_kernel(choice: str, device_type: str, seq_len: int, dtype: torch.d
     """train.attention: auto is matmul (float32 attention) on a CPU computing in bf16 or fp16 with
     windows <= 64 tokens, where SDPA's CPU flash kernel is slow in bf16 (AMD EPYC, one training
     step's time against SDPA: T = 32 0.78x, T = 64 0.85x, T = 128 1.0x), else sdpa (it never
-    holds the (T, T) scores; in float32 it is as fast; bf16 scores would be faster at T = 256
-    but trained measurably worse)."""
+    holds the (T, T) scores; in float32 it is as fast). A bf16 version of the matmuls was faster
+    still (T = 256 0.80x) but is not offered until a multi-seed comparison shows it trains as
+    well (README, issue 11)."""
     if choice != "auto":
         return choice
     low = dtype in (torch.bfloat16, torch.float16)

@@ -124,9 +124,8 @@ class CausalSelfAttention(nn.Module):
 def matmul_attention(
     q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, block: int = 128
 ) -> Tensor:
-    """Causal attention computed in float32 (scores, softmax, P @ V and so their gradients, as
-    SDPA's flash kernel keeps them; with bf16 scores or P @ V a run trained measurably worse),
-    the result in v's dtype: the same function as scaled_dot_product_attention(is_causal=True).
+    """Causal attention computed in float32 (scores, softmax, P @ V and so their gradients), the
+    result in v's dtype: the same function as scaled_dot_product_attention(is_causal=True).
     Queries go in blocks of `block` rows, each against the keys up to its last row only (~T^2/2
     work), the scores of one block materialised. On CPUs, for short windows in bf16, faster than
     SDPA's flash kernel (race shape, T = 32: a training step takes 0.78x the time)."""
