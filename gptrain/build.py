@@ -9,6 +9,7 @@ import torch
 from gptrain import dist
 from gptrain.config import Config
 from gptrain.errors import UserError
+from gptrain.host import keep_freed_memory
 from gptrain.precision import mixed_precision, resolve_dtype, set_matmul_precision
 
 
@@ -109,6 +110,8 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     ptdtype = resolve_dtype(dtype, info.device_type, fsdp)
     model.set_attention(attention_kernel(cfg.train.attention, info.device_type, cfg.train.seq_len, ptdtype))  # fmt: skip
     set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
+    if info.device_type == "cpu":
+        keep_freed_memory()  # no page faults for every step's activations (host.py)
     wrapped = dist.wrap_model(
         model,
         cfg.dist,
@@ -125,16 +128,16 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
 
 
 def attention_kernel(choice: str, device_type: str, seq_len: int, dtype: torch.dtype) -> str:
-    """train.attention: auto is matmul (float32 attention) on a CPU computing in bf16 or fp16 with
-    windows <= 64 tokens, where SDPA's CPU flash kernel is slow in bf16 (AMD EPYC, one training
-    step's time against SDPA: T = 32 0.78x, T = 64 0.85x, T = 128 1.0x), else sdpa (it never
-    holds the (T, T) scores; in float32 it is as fast). A bf16 version of the matmuls was faster
-    still (T = 256 0.80x) but is not offered until a multi-seed comparison shows it trains as
-    well (README, issue 11)."""
+    """train.attention: auto is matmul (model.matmul_attention) on a CPU computing in bf16 or fp16
+    with windows <= 256 tokens, where SDPA's CPU flash kernel is slow in bf16 (AMD EPYC, one
+    layer's forward + backward against SDPA: T = 128 0.42x the time, T = 256 0.60x; the bench
+    step 0.8x), else sdpa. Longer windows were faster too (T = 1024 0.71x), but matmul keeps
+    every block's probabilities for backward (6 bytes per score: GPT-2 124M at 4 x 1024 would
+    hold ~1.9 GB more), so auto stops at 256; in float32 SDPA is as fast."""
     if choice != "auto":
         return choice
     low = dtype in (torch.bfloat16, torch.float16)
-    return "matmul" if device_type == "cpu" and low and seq_len <= 64 else "sdpa"
+    return "matmul" if device_type == "cpu" and low and seq_len <= 256 else "sdpa"
 
 
 def init_sharded(model: torch.nn.Module, device: str) -> None:

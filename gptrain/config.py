@@ -85,7 +85,7 @@ class TrainConfig:
     )
     attention: str = opt(
         "auto",
-        "attention kernel: sdpa (scaled_dot_product_attention: flash on GPUs and CPUs), matmul (float32 matmuls and softmax, the scores of 128 queries at a time materialised), or auto: matmul on a CPU computing in bf16/fp16 when seq_len <= 64 (measured faster there), else sdpa",
+        "attention kernel: sdpa (scaled_dot_product_attention: flash on GPUs and CPUs), matmul (explicit matmuls, float32 scores and softmax, 128 queries at a time, their probabilities kept for backward), or auto: matmul on a CPU computing in bf16/fp16 when seq_len <= 256 (measured faster there), else sdpa",
         ("auto", "sdpa", "matmul"),
     )
     tf32: bool = opt(

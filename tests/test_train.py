@@ -471,8 +471,8 @@ def test_attention_auto_rule():
     from gptrain.build import attention_kernel
 
     bf16, f32 = torch.bfloat16, torch.float32
-    assert attention_kernel("auto", "cpu", 64, bf16) == "matmul"
-    assert attention_kernel("auto", "cpu", 128, bf16) == "sdpa"
+    assert attention_kernel("auto", "cpu", 256, bf16) == "matmul"
+    assert attention_kernel("auto", "cpu", 257, bf16) == "sdpa"
     assert attention_kernel("auto", "cpu", 32, f32) == "sdpa"
     assert attention_kernel("auto", "cuda", 32, bf16) == "sdpa"
     assert attention_kernel("sdpa", "cpu", 32, bf16) == "sdpa"
