@@ -128,7 +128,7 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
 
 
 def attention_kernel(choice: str, device_type: str, seq_len: int, dtype: torch.dtype) -> str:
-    """train.attention: auto is matmul (model.matmul_attention) on a CPU computing in bf16 or fp16
+    """train.attention: auto is matmul (attention.matmul_attention) on a CPU computing in bf16 or fp16
     with windows <= 256 tokens, where SDPA's CPU flash kernel is slow in bf16 (AMD EPYC, one
     layer's forward + backward against SDPA: T = 128 0.42x the time, T = 256 0.60x; the bench
     step 0.8x), else sdpa. Longer windows were faster too (T = 1024 0.71x), but matmul keeps

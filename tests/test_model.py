@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from gptrain.model import GPT, PRESETS, GPTConfig, KVCache, matmul_attention
+from gptrain.attention import matmul_attention
+from gptrain.model import GPT, PRESETS, GPTConfig, KVCache
 
 
 def tiny(**kw) -> GPTConfig:
