@@ -287,14 +287,20 @@ def test_ctrl_c_stops_cleanly_with_a_final_log_line(byte_data, tmp_path):
     args = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
     args += [f"--run.dir={run_dir}", "--train.max_steps=100000", "--log.progress=false"]
     args += ["--checkpoint.every=5", "--eval.every=0"]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT below prints every thread's stack
     proc = subprocess.Popen(
-        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     deadline = time.time() + 120
     while checkpoint.latest(run_dir) is None and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # seen once in a full-suite run; not reproduced since
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate()
+        pytest.fail(f"still running 60 s after SIGINT; its threads:\n{err[-6000:]}")
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert "interrupted at step" in out + err and "run the same command to resume" in out + err
