@@ -16,16 +16,18 @@ def matmul_attention(
     """Causal attention as explicit matmuls: the same function as
     scaled_dot_product_attention(is_causal=True), the result in v's dtype. Queries go in blocks
     of `block` rows, each against the keys up to its last row only (~T^2/2 work); every block's
-    float32 probabilities are kept for backward (B * nh * ~T^2/2 floats: meant for short windows).
+    probabilities are kept for backward, in float32 and as the bf16 copy multiplied with V
+    (6 bytes per score, B * nh * ~T^2/2 scores: meant for short windows).
 
     Precision, with q, k, v in bf16/fp16 (as under autocast): the products whose inputs and
     outputs are low-precision anyway run in that dtype (P @ V; in backward P^T @ dO, dS @ K and
     dS^T @ Q); the two whose rounded outputs would lose accuracy run in float32: the scores
     S = Q K^T (rounded before the softmax they shift the probabilities) and dP = dO V^T, and the
     softmax backward dS = P * (dP - rowsum(P * dP)) is float32 throughout. Against float64, on a
-    trained model's real activations, the output is as close as SDPA's CPU flash kernel and the q
-    and k gradients 2-5x closer (its rowsum uses the rounded output); all products in bf16 are
-    2-4x further off (tests/test_model.py). In float32 everything is float32."""
+    trained model's real activations, the output error is within 1.25x of SDPA's CPU flash
+    kernel's and the q and k gradients are 2-5x closer (SDPA's rowsum uses its rounded output);
+    with every product in bf16 they are 2-4x further off (README, issue 11; tests/test_model.py).
+    In float32 everything is float32."""
     return _CausalAttention.apply(q, k, v, dropout_p, block)
 
 
