@@ -40,12 +40,11 @@ class _CausalAttention(torch.autograd.Function):
         B, nh, T, hs = q.shape
         dtype, scale = v.dtype, 1.0 / math.sqrt(hs)
         acc = torch.promote_types(dtype, torch.float32)  # float32 (float64 stays float64)
-        contiguous = torch.contiguous_format
         q, k, v = (t.contiguous().view(B * nh, T, hs) for t in (q, k, v))  # (B*nh, T, hs)
         outs, saved = [], []
         with torch.autocast(q.device.type, enabled=False):  # the dtypes below are deliberate
-            q_acc = q.to(acc, memory_format=contiguous) * scale  # the scale folded into q
-            k_acc = k.to(acc, memory_format=contiguous).transpose(1, 2)  # (B*nh, hs, T)
+            q_acc = q.to(acc) * scale  # the scale folded into q
+            k_acc = k.to(acc).transpose(1, 2)  # (B*nh, hs, T)
             for start in range(0, T, block):
                 end = min(start + block, T)  # rows start..end-1 see keys 0..end-1
                 mask = torch.full((end - start, end), float("-inf"), dtype=acc, device=q.device)
@@ -72,14 +71,13 @@ class _CausalAttention(torch.autograd.Function):
         drop, dtype, shape, T = ctx.dropout_p, v.dtype, ctx.shape, q.size(1)
         per = 3 if drop else 2  # saved tensors per query block
         acc = torch.promote_types(dtype, torch.float32)
-        contiguous = torch.contiguous_format
         do = do.to(dtype).contiguous().view(q.shape)  # (B*nh, T, hs)
         dq = torch.empty_like(q)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # summed over query blocks
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         with torch.autocast(q.device.type, enabled=False):
             do_acc = do.to(acc)
-            v_acc_t = v.to(acc, memory_format=contiguous).transpose(1, 2)  # (B*nh, hs, T)
+            v_acc_t = v.to(acc).transpose(1, 2)  # (B*nh, hs, T)
             for i, start in enumerate(range(0, T, ctx.block)):
                 end = min(start + ctx.block, T)
                 p, pd = saved[per * i], saved[per * i + 1]  # (B*nh, n, end)
