@@ -4,7 +4,10 @@
     benchmarks/gpu_check.sh --dry-run    # CPU, tiny models, 2 gloo ranks, no compile row:
                                          # checks the script itself (tests/test_fsdp.py)
 
-Rows (each a real `gptrain train` run, started the way a user starts it):
+Rows (each a real `gptrain` command, started the way a user starts it):
+  0. GPT-2 124M as the issue's throughput target means it (GPT-2's 50257-token vocabulary,
+     `gptrain bench` on synthetic tokens, bf16, compile on, micro-batch auto, one GPU):
+     tokens/s and MFU against the target of 400k tokens/s on an H100
   1. GPT-2 124M (12 x 768; byte-level vocabulary, see below) on one GPU, compile off and on:
      tokens/s, MFU against the measured peak, peak memory (torch.cuda.max_memory_allocated)
   2. DDP and FSDP2 on all GPUs of the node: the final loss equals the 1-GPU run's within bf16
@@ -13,9 +16,9 @@ Rows (each a real `gptrain train` run, started the way a user starts it):
      ends with the uninterrupted run's loss
   4. GPT-2 XL (48 x 1600) under FSDP2 with activation checkpointing: peak memory per GPU and the
      wall time of one sharded checkpoint save
-The data is this machine's own Python sources (torch's), byte-tokenised by `gptrain prepare`: the
-node needs no network. The vocabulary is therefore 257 (GPT-2's 50257 adds 38M embedding
-parameters); the architecture is GPT-2's.
+Rows 1-4 train on this machine's own Python sources (torch's), byte-tokenised by `gptrain prepare`:
+the node needs no network. Their vocabulary is therefore 257 (GPT-2's 50257 adds 38M embedding
+parameters); the architecture is GPT-2's. Row 0 needs no data.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class Check:
         return out
 
     def cli(self, args: list[str], timeout: float = 3600) -> None:
-        cmd = [sys.executable, "-m", "gptrain", *args]  # prepare
+        cmd = [sys.executable, "-m", "gptrain", *args]  # prepare, bench
         done = subprocess.run(cmd, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=timeout)  # fmt: skip
         if done.returncode != 0:
             raise SystemExit(f"failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
@@ -144,9 +147,25 @@ class Check:
             raise SystemExit(f"failed: {' '.join(cmd)}\n{log[-3000:]}")
         return json.loads(out.read_text())
 
+    def throughput(self) -> tuple[str, str, str]:
+        """Row 0: `gptrain bench` of configs/gpt2_124m.toml on one device (the 400k tok/s target)."""
+        rows = self.work / "bench.json"
+        cmd = ["bench", "--config", "configs/gpt2_124m.toml", "--json", str(rows)]
+        if self.dry:
+            cmd += ["--steps", "2", "--warmup", "1", "--model.preset=tiny", "--train.seq_len=64", "--train.total_batch_size=1024", "--train.micro_batch_size=4", "--train.dtype=float32", "--train.compile=false", "--train.device=cpu"]  # fmt: skip
+        else:  # 2^17 tokens a step: 2 micro-steps of 64 x 1024 when 64 fits
+            cmd += ["--steps", "20", "--warmup", "5", "--train.total_batch_size=131072", "--train.dtype=bfloat16", "--train.device=cuda"]  # fmt: skip
+        self.cli(cmd)
+        (r,) = json.loads(rows.read_text())
+        target = 1 if self.dry else 400_000
+        verdict = "OK" if r["tok_per_s"] >= target else f"BELOW the {target:,} target"
+        name = f"GPT-2 124M, vocab 50257, `gptrain bench`, 1 {self.device}, micro-batch {r['micro_batch']}"
+        return (name, f"{r['tok_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%} of a measured {r['peak_tflops']:.3g} TFLOP/s", verdict)  # fmt: skip
+
     def run(self) -> None:
         steps = 3 if self.dry else 30
         n = self.gpus
+        self.rows.append(self.throughput())
         single = {}
         for compile in (False,) if self.dry else (False, True):  # CPU inductor: minutes
             r = self.train(f"one_{compile}", 1, self.overrides(f"one_{compile}", "gpt2", steps, f"train.compile={str(compile).lower()}"))  # fmt: skip

@@ -2,6 +2,7 @@
 
     gptrain bench --config configs/bench.toml                       # the config's dtype/compile
     gptrain bench --config configs/bench.toml --matrix              # float32/bf16 x eager/compiled table
+    gptrain bench --config configs/gpt2_124m.toml --train.total_batch_size=65536 --json rows.json
     torchrun --nproc_per_node=2 -m gptrain bench --config configs/bench.toml --train.total_batch_size=65536
 
 MFU's peak is MEASURED in the same run on this device (a large matmul in the training dtype),
@@ -11,7 +12,9 @@ time with gradient communication switched off to report the share of time spent 
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -117,6 +120,7 @@ def main(argv: list[str]) -> int:
         "--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)"
     )
     parser.add_argument("--matrix", action="store_true", help="float32/bfloat16 x eager/compiled")
+    parser.add_argument("--json", default="", help="also write the rows to this file as JSON")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
     if bad:
@@ -139,6 +143,8 @@ def main(argv: list[str]) -> int:
                 f"{torch.get_num_threads()} threads"
             )
             print(format_table(rows))
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1))
     finally:
         dist.teardown()
     return 0

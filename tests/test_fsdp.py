@@ -325,9 +325,10 @@ def test_gpu_check_dry_run_prints_its_table():
     done = _gpu_check("--dry-run")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
-    assert len(rows) == 5, done.stdout
-    assert [r.endswith("| OK |") for r in rows[1:4]] == [True] * 3, done.stdout
-    assert "sharded checkpoint save" in rows[4] and "peak" in rows[0]
+    assert len(rows) == 6, done.stdout
+    assert [r.endswith("| OK |") for r in rows[0:1] + rows[2:5]] == [True] * 4, done.stdout
+    assert "vocab 50257" in rows[0] and "tok/s, MFU" in rows[0]
+    assert "sharded checkpoint save" in rows[5] and "peak" in rows[1]
 
 
 @pytest.mark.gpu

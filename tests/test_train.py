@@ -260,13 +260,19 @@ def test_bad_input_one_line_exit_2(byte_data, tmp_path, capsys, override, needle
     assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0]
 
 
-def test_bench_reports_tokens_and_mfu(capsys):
+def test_bench_reports_tokens_and_mfu(capsys, tmp_path):
     args = ["bench", "--config", DEBUG, "--steps", "2", "--warmup", "1"]
-    assert cli(args) == 0
+    assert cli([*args, "--json", str(tmp_path / "rows.json")]) == 0
     out = capsys.readouterr().out
-    row = [line for line in out.splitlines() if line.startswith("| float32")][0].split("|")
-    tok_per_s, mfu = float(row[6].replace(",", "")), float(row[8].strip().rstrip("%"))
-    assert tok_per_s > 0 and 0 < mfu < 100
+    header, _, line = [r for r in out.splitlines() if r.startswith("|")]
+    row = dict(zip(header.split("|"), line.split("|"), strict=True))
+    row = {k.strip(): v.strip() for k, v in row.items()}
+    tok_per_s, mfu = float(row["tok_per_s"].replace(",", "")), float(row["mfu"].rstrip("%"))
+    assert row["dtype"] == "float32" and tok_per_s > 0 and 0 < mfu < 100
+    (saved,) = json.loads((tmp_path / "rows.json").read_text())  # the same row, machine-readable
+    assert (f"{saved['tok_per_s']:,.0f}", f"{saved['mfu']:.1%}") == (row["tok_per_s"], row["mfu"])
+    step_s = saved["step_ms"] / 1e3  # tokens/s is the batch over the step time
+    assert saved["tok_per_s"] == pytest.approx(saved["accum"] * saved["micro_batch"] * 64 / step_s)
 
 
 @pytest.mark.slow
