@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from gptrain.errors import UserError
+from gptrain.errors import UserError, first_line
 
 STEP_PREFIX = "step_"
 FORMAT = 2  # 2: state.pt holds only tensors and plain data (loaded with weights_only=True)
@@ -124,11 +124,6 @@ def publish(root: Path, name: str, tmp: Path) -> Path:
     if old.exists():
         shutil.rmtree(old)
     return final
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else "no details"
 
 
 def pointer(root: Path) -> str:

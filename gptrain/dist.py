@@ -26,7 +26,7 @@ from torch import nn
 
 from gptrain import failures
 from gptrain.config import DistConfig
-from gptrain.errors import UserError
+from gptrain.errors import UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
         ):  # retries and time-outs are logged in C++; the UserError says it all
             store = dist.TCPStore(addr, port, info.world_size, is_master=hosts, timeout=timeout)
     except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError
-        why = failures.first_line(e)
+        why = first_line(e)
         if hosts:
             raise UserError(
                 f"rank 0: not all {info.world_size} processes reached the rendezvous at {addr}:{port} within dist.timeout_s = {timeout_s} s ({why}); start every node with the same --nnodes/--rdzv_endpoint, or raise dist.timeout_s"

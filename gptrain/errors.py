@@ -15,6 +15,12 @@ class UserError(Exception):
     exit_code = 2
 
 
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's message cut to its first line, for a one-line error (its type if empty)."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
 class ArgParser(argparse.ArgumentParser):
     """argparse for a subcommand: a bad or missing flag is a UserError (one line, exit 2)."""
 

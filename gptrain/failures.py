@@ -18,6 +18,8 @@ import traceback
 
 import torch.distributed as dist
 
+from gptrain.errors import first_line
+
 _store: dist.Store | None = None  # the rendezvous store, kept to tell dead peers from live ones
 _store_host_is_rank0 = False
 
@@ -55,11 +57,6 @@ def muted_stderr():
 
 class DistFailure(RuntimeError):
     """A collective failed: a peer died, stopped responding past dist.timeout_s, or diverged."""
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def _operation(e: BaseException) -> str:

@@ -19,8 +19,7 @@ import torch
 
 from gptrain.config import DistConfig
 from gptrain.dist import cpu_cores
-from gptrain.errors import UserError
-from gptrain.failures import first_line
+from gptrain.errors import UserError, first_line
 
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # torchrun's defaults + USR1
 SHUTDOWN_S = 120  # seconds the workers get to save after a forwarded signal

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from gptrain import checkpoint
-from gptrain.errors import UserError
+from gptrain.errors import UserError, first_line
 
 
 def resume_point(run_dir: str | Path, resume: str) -> tuple[Path | None, list[str]]:
@@ -97,7 +97,7 @@ def problem(path: Path) -> str | None:
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError) as e:
-        return f"cannot read meta.json ({checkpoint.first_line(e)})"
+        return f"cannot read meta.json ({first_line(e)})"
     sharded = isinstance(meta, dict) and meta.get("layout") == "dcp"  # FSDP2 shards (sharded.py)
     for name in (".metadata" if sharded else "model.safetensors", "state.pt"):
         if not (path / name).is_file():

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from gptrain import checkpoint
 from gptrain import dist as gdist
-from gptrain.errors import UserError
+from gptrain.errors import UserError, first_line
 
 LAYOUT = "dcp"  # meta.json "layout" of a sharded checkpoint (full ones have none)
 
@@ -134,7 +134,7 @@ def _publish(step, root, tmp, future, state, rng, meta, tied, info, group):
     try:
         future.result()
     except (Exception, CheckpointException) as e:  # a full disk, an I/O error, on any rank
-        error = f"cannot write checkpoint {tmp.name.removeprefix('.tmp-')} in {root} ({type(e).__name__}: {checkpoint.first_line(e)}); the previous checkpoint ({checkpoint.pointer(root) or 'none'}) is intact; free disk space and run the same command to resume"
+        error = f"cannot write checkpoint {tmp.name.removeprefix('.tmp-')} in {root} ({type(e).__name__}: {first_line(e)}); the previous checkpoint ({checkpoint.pointer(root) or 'none'}) is intact; free disk space and run the same command to resume"
     records = {  # each rank hashes the shards it wrote
         p.name: checkpoint._file_record(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))
     }
