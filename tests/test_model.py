@@ -185,6 +185,7 @@ def test_generate_seeded_sampling_is_deterministic_and_top_k_1_is_greedy():
 
 
 def _check_compiled(backend: str) -> None:
+    torch.compiler.reset()  # earlier tests' compilations count towards dynamo's recompile limit
     model = make()
     compiled = torch.compile(model, backend=backend, fullgraph=True)  # fullgraph: no graph breaks
     idx = torch.randint(0, 100, (2, 16))
@@ -203,6 +204,7 @@ def _check_compiled(backend: str) -> None:
 def _check_compiled_matmul_attention(backend: str) -> None:
     """The hand-written autograd Function of matmul_attention compiles without graph breaks, under
     bf16 autocast as auto picks it on CPUs, with eager's loss and gradients (to kernel rounding)."""
+    torch.compiler.reset()
     idx = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
     results = []
     for compile_it in (False, True):
