@@ -78,10 +78,14 @@ def _all_min(flag: int, device) -> int:
 
 
 def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int, device) -> bool:
-    """One forward + backward of a (mb, seq_len) batch of random tokens, without gradient
-    communication, while a buffer the size of AdamW's state (2 floats per local parameter) is
-    held; False on CUDA out-of-memory. Leaves no gradients behind and consumes no global random
-    numbers (dropout draws happen under a forked RNG), so training is unchanged by it."""
+    """One forward + backward of a (mb, seq_len) batch of random tokens, while a buffer the size
+    of AdamW's state (2 floats per local parameter) is held; False on CUDA out-of-memory. Leaves
+    no gradients behind and consumes no global random numbers (dropout draws happen under a
+    forked RNG), so training is unchanged by it. DDP: without gradient communication (the
+    gradients stay in .grad, cleared below). FSDP2: with it, as on a last micro-step: without
+    sync FSDP2 would keep the unsharded gradient in its own buffers, out of zero_grad's reach,
+    and add it to the first real step's."""
+    fsdp = hasattr(wrapped, "set_requires_gradient_sync")
     oom = False
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -91,7 +95,7 @@ def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int,
             x = torch.randint(0, vocab_size, (mb, seq_len + 1), device=device, generator=gen)
             set_stance = getattr(torch.compiler, "set_stance", None)  # eager: no compile per size
             eager = set_stance("force_eager") if set_stance else contextlib.nullcontext()
-            with eager, dist.grad_sync(wrapped, sync=False), autocast:
+            with eager, dist.grad_sync(wrapped, sync=fsdp), autocast:
                 _, loss = wrapped(x[:, :-1], x[:, 1:])
             loss.backward()
             del loss, x, reserve
