@@ -301,12 +301,15 @@ def wrap_model(
        around the compiled block (tested: no recompiles after the first step).
     3. world size 1: nothing more. ddp: DistributedDataParallel. fsdp: FSDP2 `fully_shard` on every
        block, then on the root (embeddings, final LayerNorm, tied head). With bf16 the blocks
-       all-gather and compute with bf16 parameters, except their LayerNorms (a float32 group of
-       their own: autocast runs layer_norm in float32, and on the CPU torch refuses bf16
-       LayerNorm parameters with a float32 input); the root keeps float32 parameters; and the
+       all-gather and compute with bf16 parameters; the root keeps float32 parameters; and the
        caller runs forward under the same autocast as DDP. So the residual stream, LayerNorms,
        logits and loss stay float32 as under DDP + autocast, and matmuls see the same
-       bf16-rounded weights. Gradients are reduced in float32.
+       bf16-rounded weights. Gradients are reduced in float32. LayerNorms: CUDA's autocast runs
+       layer_norm in float32, casting the bf16-gathered weights up (their master copies stay
+       float32). CPU autocast does not, and refuses bf16 LayerNorm parameters with a float32
+       input, so on the CPU each block's LayerNorms get a float32 group of their own; that
+       group's hooks sit inside the compiled block and break its graph (with activation
+       checkpointing, the whole block then runs eagerly), which is why CUDA does without it.
 
     The model may be on the `meta` device under FSDP (see build.py: `to_empty` + init after this).
     The returned module is what the training loop calls; save the original `model` (its keys are
@@ -332,7 +335,7 @@ def wrap_model(
             if compile:
                 block.compile()
             norms = [m for m in block.modules() if isinstance(m, nn.LayerNorm)]
-            if low is not None and norms:  # one small float32 group per block: its LayerNorms
+            if low is not None and norms and info.device_type == "cpu":  # see 3. above
                 fully_shard(norms, mp_policy=fp32)
             fully_shard(block, mp_policy=block_mp)
         fully_shard(model, mp_policy=fp32)
