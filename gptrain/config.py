@@ -99,7 +99,7 @@ class TrainConfig:
     # unattended runs (gptrain/guard.py)
     nonfinite: str = opt(
         "skip",
-        "a step whose gradient norm is NaN/inf: skip (discard the update, count it), stop (exit, saving nothing new) or rollback (reload the newest checkpoint, data cursor past the bad batch)",
+        "a step whose gradient norm is NaN/inf: skip (discard the update, count it), stop (exit, saving nothing new) or rollback (reload the newest checkpoint, data cursor past the bad batch); under float16, stop and rollback wait for train.max_skips consecutive overflows (the GradScaler skips isolated ones by design)",
         ("skip", "stop", "rollback"),
     )
     max_skips: int = opt(10, "this many consecutive skipped steps stop the run")

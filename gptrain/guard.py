@@ -11,7 +11,10 @@
   exact), nothing waits for the device; other optimizers (foreach AdamW, Muon) are stepped only
   after a host-side check (free on a CPU; one sync per step on a GPU). Counters live on the
   device and are read on the loop's sync points (logging, saving, stopping), where the policy
-  (train.nonfinite) is applied; `roll_back` is the rollback policy's phase.
+  (train.nonfinite) is applied; `roll_back` is the rollback policy's phase. Under float16 the
+  GradScaler's overflow steps are routine (it skips them and lowers its scale while it
+  calibrates, and again each time it tries a higher scale): they are counted as skipped, and
+  stop / rollback act only when max_skips consecutive steps overflow (the scaler cannot recover).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class NonFinite:
 
     def __init__(self, policy: str, max_skips: int, optimizer, scaler, device: str, sharded: bool):
         self.policy, self.max_skips = policy, max_skips
+        self.scaled = scaler.is_enabled()  # float16: isolated overflows are the scaler's business
         self.device_side = bool(
             optimizer.defaults.get("fused") and not scaler.is_enabled() and not sharded
         )
@@ -107,7 +111,7 @@ class NonFinite:
         ).tolist()
         self.longest.copy_(self.streak)
         self.last_bad.fill_(-1)
-        if last_bad < 0:
+        if last_bad < 0 or (self.scaled and longest < self.max_skips):
             return None
         if self.policy == "stop":
             raise NonFiniteStop(

@@ -14,7 +14,7 @@ from test_train import DEBUG, run, weights
 
 from gptrain import checkpoint, retention
 from gptrain.__main__ import main as cli
-from gptrain.guard import NonFinite
+from gptrain.guard import NonFinite, NonFiniteStop
 from gptrain.model import GPT
 
 QUICK = ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
@@ -271,6 +271,48 @@ def test_skip_is_exact_on_the_device_path_and_the_host_path(fused):
         for a, b in zip(model.parameters(), ref.parameters(), strict=True):
             assert torch.equal(a, b)
     assert guard.count() == 1
+
+
+@pytest.mark.parametrize("policy", ["stop", "rollback"])
+def test_float16_scaler_overflows_are_skipped_until_max_skips_in_a_row(policy):
+    """With a GradScaler (float16), an overflowing step is skipped by the scaler, which lowers its
+    scale: counted, but stop / rollback act only on max_skips consecutive overflows. Without a
+    scaler the same policy acts on the first non-finite step."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)
+    x = torch.ones(2, 4)
+
+    def one_step(guard, scaler, step, overflow):
+        opt.zero_grad()
+        loss = model(x).sum() * (float("inf") if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        guard.step(opt, scaler, norm, step)
+        return guard.check(step)
+
+    plain = torch.amp.GradScaler("cpu", enabled=False)
+    unscaled = NonFinite(policy, 3, opt, plain, "cpu", sharded=False)
+    if policy == "stop":
+        with pytest.raises(NonFiniteStop):
+            one_step(unscaled, plain, 1, overflow=True)
+    else:
+        assert one_step(unscaled, plain, 1, overflow=True) == 1
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    guard = NonFinite(policy, 3, opt, scaler, "cpu", sharded=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    pattern = [True, True, False, True, False]  # isolated overflows and a streak of 2
+    for step, overflow in enumerate(pattern, start=1):
+        assert one_step(guard, scaler, step, overflow) is None
+    assert guard.count() == 3 and scaler.get_scale() == 2.0**16 / 8  # halved at each overflow
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    outcome = []
+    for step in (6, 7, 8):  # three overflows in a row: the scaler does not recover
+        try:
+            outcome.append(one_step(guard, scaler, step, overflow=True))
+        except NonFiniteStop:
+            outcome.append("stop")
+    assert outcome == [None, None, "stop" if policy == "stop" else 8]
 
 
 @pytest.mark.parametrize(
