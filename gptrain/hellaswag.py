@@ -27,6 +27,7 @@ same, world-size-independent result (the batches themselves do not depend on the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -151,6 +152,12 @@ def load_examples(source: str, limit: int = 0) -> list[Example]:
 # ---------------------------------------------------------------- scoring
 
 
+def eager():
+    """torch.compile's code set aside for a block (torch >= 2.6; before, nothing changes)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance else contextlib.nullcontext()
+
+
 @dataclass
 class Result:
     """Per-example summed losses and scored-token counts (N, 4) and what follows from them."""
@@ -239,6 +246,8 @@ class HellaSwag:
 
     @torch.no_grad()
     def score(self, model, info: dist.DistInfo, autocast) -> Result:
+        # A compiled model runs eagerly here: each batch length would be a new graph (dynamo's
+        # recompile limit is 8), minutes of compiling at the first evaluation on a GPU.
         """Collective: every rank calls it and gets the same Result (tokens/positions: its own)."""
         was_training = model.training
         model.eval()
@@ -250,7 +259,7 @@ class HellaSwag:
             real = k < len(self.batches)
             T, idx = self.batches[k if real else -1]  # a spare rank re-runs the last, discarded
             x, y = self._tensors(T, idx, info.device)
-            with autocast:  # per-token losses, chunk by chunk: never the (B, T, V) logits
+            with eager(), autocast:  # per-token losses, chunk by chunk: no (B, T, V) logits
                 _, per_token = model(x, y, reduction="none")  # (B, T) float32
             mask = y >= 0
             losses = per_token[mask].double()  # (M,)
