@@ -11,7 +11,6 @@ all-reduce MIN of "it fitted"), so every rank ends with the same micro-batch.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import torch
@@ -93,9 +92,7 @@ def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int,
             reserve = torch.empty(2 * numel, dtype=torch.float32, device=device)  # AdamW m and v
             gen = torch.Generator(device=device).manual_seed(0)
             x = torch.randint(0, vocab_size, (mb, seq_len + 1), device=device, generator=gen)
-            set_stance = getattr(torch.compiler, "set_stance", None)  # eager: no compile per size
-            eager = set_stance("force_eager") if set_stance else contextlib.nullcontext()
-            with eager, dist.grad_sync(wrapped, sync=fsdp), autocast:
+            with dist.eager(), dist.grad_sync(wrapped, sync=fsdp), autocast:
                 _, loss = wrapped(x[:, :-1], x[:, 1:])
             loss.backward()
             del loss, x, reserve

@@ -356,6 +356,14 @@ def wrap_model(
     return model
 
 
+def eager():
+    """A context in which modules compiled by wrap_model run their eager code: for calls whose
+    shapes change every time (the trial step per micro-batch, HellaSwag's batch lengths), each of
+    which would otherwise compile a graph of its own. torch < 2.6 has no set_stance: a no-op."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance else contextlib.nullcontext()
+
+
 def checkpoint_forward(module: nn.Module) -> None:
     """Activation checkpointing of one module, in place: while gradients are recorded, its forward
     runs under torch.utils.checkpoint (non-reentrant; RNG state restored for the recompute, so

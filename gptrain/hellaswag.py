@@ -27,7 +27,6 @@ same, world-size-independent result (the batches themselves do not depend on the
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -152,12 +151,6 @@ def load_examples(source: str, limit: int = 0) -> list[Example]:
 # ---------------------------------------------------------------- scoring
 
 
-def eager():
-    """torch.compile's code set aside for a block (torch >= 2.6; before, nothing changes)."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance else contextlib.nullcontext()
-
-
 @dataclass
 class Result:
     """Per-example summed losses and scored-token counts (N, 4) and what follows from them."""
@@ -259,7 +252,7 @@ class HellaSwag:
             real = k < len(self.batches)
             T, idx = self.batches[k if real else -1]  # a spare rank re-runs the last, discarded
             x, y = self._tensors(T, idx, info.device)
-            with eager(), autocast:  # per-token losses, chunk by chunk: no (B, T, V) logits
+            with dist.eager(), autocast:  # per-token losses, chunk by chunk: no (B, T, V) logits
                 _, per_token = model(x, y, reduction="none")  # (B, T) float32
             mask = y >= 0
             losses = per_token[mask].double()  # (M,)
