@@ -36,3 +36,22 @@ def byte_data(tmp_path_factory, shakespeare_txt) -> Path:
     out = tmp_path_factory.mktemp("data") / "shakespeare-byte"
     prepare([str(shakespeare_txt)], out, tokenizer="byte", progress=False)
     return out
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-process gloo process group for the test (FSDP2 and DDP wrappers need one)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

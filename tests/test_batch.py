@@ -170,46 +170,34 @@ def test_trial_step_leaves_weights_grads_and_rng_untouched():
         assert torch.equal(v, before[k]), k
 
 
-def test_fsdp_trial_step_leaves_no_gradient_for_the_first_step():
+def test_fsdp_trial_step_leaves_no_gradient_for_the_first_step(one_process_group):
     """FSDP2 (one-process gloo group, bf16 blocks with a float32 root as wrap_model sets them up):
     a trial step leaves nothing in FSDP's own buffers, so the first real step's gradients equal
     those of a model that never ran a trial. (Without gradient sync, FSDP2 keeps the trial's
     unsharded gradient and adds it to the next reduced one: zero_grad does not reach it.)"""
-    import socket
-
-    dist = pytest.importorskip("torch.distributed")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from gptrain.dist import grad_sync
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        plain = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=32))
-        models = [copy.deepcopy(plain), copy.deepcopy(plain)]
-        low = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for m in models:
-            for block in m.transformer.h:
-                fully_shard(block.mlp, mp_policy=low)  # a bf16 group and float32 groups
-            fully_shard(m, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
-        off = torch.autocast("cpu", enabled=False)
-        assert batch.trial_fits(models[0], models[0], off, 4, 16, 100, torch.device("cpu"))
-        idx = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
-        grads = []
-        for m in models:
-            with grad_sync(m, sync=True):
-                _, loss = m(idx, idx)
-                loss.backward()
-            grads.append({n: p.grad.full_tensor() for n, p in m.named_parameters()})
-        for n, g in grads[1].items():
-            torch.testing.assert_close(grads[0][n], g, rtol=0, atol=0, msg=n)
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    models = [copy.deepcopy(plain), copy.deepcopy(plain)]
+    low = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in models:
+        for block in m.transformer.h:
+            fully_shard(block.mlp, mp_policy=low)  # a bf16 group and float32 groups
+        fully_shard(m, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    off = torch.autocast("cpu", enabled=False)
+    assert batch.trial_fits(models[0], models[0], off, 4, 16, 100, torch.device("cpu"))
+    idx = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for m in models:
+        with grad_sync(m, sync=True):
+            _, loss = m(idx, idx)
+            loss.backward()
+        grads.append({n: p.grad.full_tensor() for n, p in m.named_parameters()})
+    for n, g in grads[1].items():
+        torch.testing.assert_close(grads[0][n], g, rtol=0, atol=0, msg=n)
 
 
 def test_resolve_uses_the_trial_only_for_auto_on_cuda(monkeypatch):

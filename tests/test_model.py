@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-import socket
 
 import pytest
 import torch
@@ -291,54 +290,38 @@ def test_num_params_and_presets():
         assert cfg.n_embd % cfg.n_head == 0, name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_fsdp2_fully_shard_from_outside_matches_plain_model():
+def test_fsdp2_fully_shard_from_outside_matches_plain_model(one_process_group):
     """One-process gloo group: per-block then root fully_shard, same losses and weights."""
-    dist = pytest.importorskip("torch.distributed")
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     from gptrain.config import OptimConfig
     from gptrain.optim import build_optimizer
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
-    try:
-        ref = make()
-        sharded = copy.deepcopy(ref)
-        for block in sharded.transformer.h:
-            fully_shard(block)
-        fully_shard(sharded)
-        register_fsdp_forward_method(sharded, "generate")
-        assert sharded.lm_head.weight is sharded.transformer.wte.weight
-        opts = [
-            build_optimizer(m, OptimConfig(lr=1e-2, weight_decay=0.1), "cpu")
-            for m in (ref, sharded)
-        ]
-        idx = torch.randint(0, 100, (2, 16))
-        for _ in range(2):
-            losses = []
-            for m, opt in zip((ref, sharded), opts, strict=True):
-                _, loss = m(idx, idx)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss)
-            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-        full = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
-        prompt = idx[:, :3]
-        assert torch.equal(sharded.generate(prompt, 5, temperature=0), ref.generate(prompt, 5, 0))
-    finally:
-        dist.destroy_process_group()
+    ref = make()
+    sharded = copy.deepcopy(ref)
+    for block in sharded.transformer.h:
+        fully_shard(block)
+    fully_shard(sharded)
+    register_fsdp_forward_method(sharded, "generate")
+    assert sharded.lm_head.weight is sharded.transformer.wte.weight
+    opts = [
+        build_optimizer(m, OptimConfig(lr=1e-2, weight_decay=0.1), "cpu") for m in (ref, sharded)
+    ]
+    idx = torch.randint(0, 100, (2, 16))
+    for _ in range(2):
+        losses = []
+        for m, opt in zip((ref, sharded), opts, strict=True):
+            _, loss = m(idx, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    full = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    prompt = idx[:, :3]
+    assert torch.equal(sharded.generate(prompt, 5, temperature=0), ref.generate(prompt, 5, 0))
 
 
 @pytest.mark.parametrize("T", [1, 7, 32, 128, 129, 300])

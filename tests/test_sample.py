@@ -133,32 +133,20 @@ def test_missing_run_dir_and_run_without_checkpoint(tmp_path, capsys):
         load_model(tmp_path)
 
 
-def test_generate_text_accepts_ddp_and_fsdp2_wrapped_models():
+def test_generate_text_accepts_ddp_and_fsdp2_wrapped_models(one_process_group):
     """The trainer passes its wrapped model; one-process gloo group, same text as unwrapped."""
-    import socket
-
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        tok = ByteTokenizer()
-        kw = dict(max_new_tokens=12, temperature=1.0, top_k=None, num_samples=2, seed=3)
-        want = generate_text(_model(0), tok, "xy", device="cpu", **kw)
-        ddp = DistributedDataParallel(_model(0))
-        assert generate_text(ddp, tok, "xy", device="cpu", **kw) == want
-        sharded = _model(0)
-        for block in sharded.transformer.h:
-            block.compile()  # as the trainer does under FSDP; generation runs eagerly
-            fully_shard(block)
-        fully_shard(sharded)
-        assert generate_text(sharded, tok, "xy", device="cpu", **kw) == want
-        assert generate_text(sharded, tok, "xy", device="cpu", **kw) == want  # hook added once
-    finally:
-        dist.destroy_process_group()
+    tok = ByteTokenizer()
+    kw = dict(max_new_tokens=12, temperature=1.0, top_k=None, num_samples=2, seed=3)
+    want = generate_text(_model(0), tok, "xy", device="cpu", **kw)
+    ddp = DistributedDataParallel(_model(0))
+    assert generate_text(ddp, tok, "xy", device="cpu", **kw) == want
+    sharded = _model(0)
+    for block in sharded.transformer.h:
+        block.compile()  # as the trainer does under FSDP; generation runs eagerly
+        fully_shard(block)
+    fully_shard(sharded)
+    assert generate_text(sharded, tok, "xy", device="cpu", **kw) == want
+    assert generate_text(sharded, tok, "xy", device="cpu", **kw) == want  # hook added once
