@@ -21,8 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gptrain.attention import matmul_attention
-from gptrain.host import keep_freed_memory
+from gptrain.distributed.host import keep_freed_memory
+from gptrain.model.attention import matmul_attention
 
 
 def sdpa(q, k, v):

@@ -39,9 +39,9 @@ def rss_bytes() -> int:
 def worker(preset: str, out: str) -> None:
     import torch
 
-    from gptrain import dist
-    from gptrain.build import build_training
-    from gptrain.config import load_config
+    from gptrain.config.sections import load_config
+    from gptrain.distributed import runtime as dist
+    from gptrain.training.build import build_training
 
     torch.set_num_threads(1)
     info = dist.DistInfo.from_env("cpu")

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from gptrain import hellaswag as hs
-from gptrain.dist import DistInfo
-from gptrain.model import GPT, PRESETS, GPTConfig
-from gptrain.precision import mixed_precision, resolve_dtype
-from gptrain.tokenizers import load_tokenizer
+from gptrain.data.tokenizers import load_tokenizer
+from gptrain.distributed.runtime import DistInfo
+from gptrain.evals import hellaswag as hs
+from gptrain.model.gpt import GPT, PRESETS, GPTConfig
+from gptrain.training.precision import mixed_precision, resolve_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_HELLASWAG = REPO.parent / "shared" / "data" / "hellaswag" / "hellaswag_val.jsonl"
@@ -39,7 +39,7 @@ SHARED_GPT2 = REPO.parent / "shared" / "data" / "gpt2"
 def model_for(name: str):
     """(model, tokenizer, seq_len, micro_batch_size) of the bench config or GPT-2 124M."""
     if name == "bench":
-        from gptrain.config import load_config
+        from gptrain.config.sections import load_config
 
         cfg = load_config(str(REPO / "configs" / "bench.toml"), [])
         tok = load_tokenizer(cfg.data.tokenizer)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gptrain.loader import Dataset, TrainLoader
-from gptrain.shards import write_manifest, write_shard
+from gptrain.data.loader import Dataset, TrainLoader
+from gptrain.data.shards import write_manifest, write_shard
 
 NEEDED_TOKENS_PER_S = 20_000
 SHARD_TOKENS = 100_000_000

@@ -32,11 +32,11 @@ def measure(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from gptrain.build import build_training
-    from gptrain.config import load_config
-    from gptrain.dist import DistInfo
+    from gptrain.config.sections import load_config
+    from gptrain.distributed.runtime import DistInfo
     from gptrain.errors import UserError
-    from gptrain.step import train_step
+    from gptrain.training.build import build_training
+    from gptrain.training.step import train_step
 
     overrides = [
         "model.preset=gpt2",

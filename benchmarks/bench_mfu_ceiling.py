@@ -24,9 +24,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gptrain.config import load_config  # noqa: E402
-from gptrain.metrics import measure_peak_flops  # noqa: E402
-from gptrain.model import GPTConfig  # noqa: E402
+from gptrain.config.sections import load_config  # noqa: E402
+from gptrain.logs.mfu import measure_peak_flops  # noqa: E402
+from gptrain.model.gpt import GPTConfig  # noqa: E402
 
 
 def matmul_shapes(cfg: GPTConfig, tokens: int) -> list[tuple[int, int, int]]:

@@ -39,10 +39,10 @@ SHAPES = {
 
 
 def setup(shape: str, data_dir: Path, dtype: str, optim: str, config: str | None = None):
-    from gptrain.build import build_training
-    from gptrain.config import accumulation_steps, load_config
-    from gptrain.dist import DistInfo
-    from gptrain.loader import Dataset, TrainLoader
+    from gptrain.config.sections import accumulation_steps, load_config
+    from gptrain.data.loader import Dataset, TrainLoader
+    from gptrain.distributed.runtime import DistInfo
+    from gptrain.training.build import build_training
 
     overrides = [f"data.dir={data_dir}", f"train.dtype={dtype}", "train.max_steps=1000",
                  f"optim.name={optim}", *SHAPES[shape]]  # fmt: skip
@@ -57,12 +57,12 @@ def setup(shape: str, data_dir: Path, dtype: str, optim: str, config: str | None
 
 
 def make_step(cfg, model, wrapped, opt, autocast, scaler, loader, accum):
-    from gptrain import optim as goptim
+    from gptrain.training import optim as goptim
 
     try:
-        from gptrain.step import train_step
+        from gptrain.training.step import train_step
     except ImportError:  # a checkout from before step.py (the "before" numbers)
-        from gptrain.train import train_step
+        from gptrain.commands.train import train_step
 
     set_lr = getattr(goptim, "set_lr", None)
     state = {"step": 0}
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", help="the bench model's config file (default configs/bench.toml); pass an older checkout's to compare the same model")  # fmt: skip
     p.add_argument("--input", default=str(REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"))  # fmt: skip
     args = p.parse_args(argv)
-    from gptrain.prepare import prepare
+    from gptrain.data.prepare import prepare
 
     shapes = ["small", "bench"] if args.shape == "both" else [args.shape]
     with tempfile.TemporaryDirectory() as tmp:

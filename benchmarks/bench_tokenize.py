@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from gptrain.corpora import shakespeare_documents
-from gptrain.prepare import Document, prepare, tokenize_to_file
-from gptrain.tokenizers import load_tokenizer
+from gptrain.data.prepare import Document, prepare, tokenize_to_file
+from gptrain.data.sources import shakespeare_documents
+from gptrain.data.tokenizers import load_tokenizer
 
 
 def best(fn, repeat: int) -> float:

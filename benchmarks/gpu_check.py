@@ -44,9 +44,10 @@ def worker(out: str, overrides: list[str]) -> None:
 
     import torch
 
-    from gptrain import dist, sharded
-    from gptrain.config import load_config
-    from gptrain.train import train
+    from gptrain.checkpoint import dcp as sharded
+    from gptrain.commands.train import train
+    from gptrain.config.sections import load_config
+    from gptrain.distributed import runtime as dist
 
     save_s: list[float] = []
     original = sharded.save_training
@@ -184,7 +185,7 @@ class Check:
     def kill_and_resume(self, n: int, steps: int) -> tuple[str, str, str]:
         """FSDP2 killed after its first checkpoint, started again: its final weights vs an
         uninterrupted run's (bit for bit on CPU; bf16 GPU kernels may differ in the last bits)."""
-        from gptrain import checkpoint
+        from gptrain.checkpoint import full as checkpoint
 
         every = max(steps // 6, 1)
         args = ("dist.mode=fsdp", f"checkpoint.every={every}")

@@ -20,14 +20,14 @@ from gptrain.errors import UserError
 
 # subcommand -> module whose main(argv) -> int implements it
 COMMANDS = {
-    "train": "gptrain.train",
-    "prepare": "gptrain.prepare",
-    "sample": "gptrain.sample",
-    "bench": "gptrain.bench",
-    "plot": "gptrain.plot",
-    "export": "gptrain.export",
-    "eval": "gptrain.evaluate",
-    "tokenizer": "gptrain.tokenizers",
+    "train": "gptrain.commands.train",
+    "prepare": "gptrain.data.prepare",
+    "sample": "gptrain.evals.generate",
+    "bench": "gptrain.commands.bench",
+    "plot": "gptrain.logs.plot",
+    "export": "gptrain.commands.export",
+    "eval": "gptrain.commands.eval",
+    "tokenizer": "gptrain.data.tokenizers",
 }
 
 

@@ -31,7 +31,7 @@ def gpt2_env(monkeypatch, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def byte_data(tmp_path_factory, shakespeare_txt) -> Path:
     """tiny shakespeare prepared with the byte tokenizer (90/10 split), shared by the trainer tests."""
-    from gptrain.prepare import prepare
+    from gptrain.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("data") / "shakespeare-byte"
     prepare([str(shakespeare_txt)], out, tokenizer="byte", progress=False)

@@ -124,11 +124,11 @@ def _setup(overrides: list[str]):
     """The pieces train() builds, from gptrain's own functions, on this rank."""
     import torch
 
-    from gptrain import dist
-    from gptrain.build import build_model
-    from gptrain.config import accumulation_steps, load_config
-    from gptrain.loader import Dataset, TrainLoader
-    from gptrain.optim import build_optimizer
+    from gptrain.config.sections import accumulation_steps, load_config
+    from gptrain.data.loader import Dataset, TrainLoader
+    from gptrain.distributed import runtime as dist
+    from gptrain.training.build import build_model
+    from gptrain.training.optim import build_optimizer
 
     cfg = load_config(DEBUG, [o.removeprefix("--") for o in overrides])
     info = dist.DistInfo.from_env("cpu")
@@ -162,8 +162,8 @@ def worker_comm(overrides: list[str], steps: int, sync_every_micro_step: bool) -
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from gptrain import dist
-    from gptrain.step import train_step
+    from gptrain.distributed import runtime as dist
+    from gptrain.training.step import train_step
 
     cfg, info, model, wrapped, optimizer, loader, accum = _setup(overrides)
     calls = {"buckets": 0, "elements": 0}
@@ -211,10 +211,10 @@ def worker_train_probe(overrides: list[str]) -> dict:
     and the dropout masks of the first forward on every rank."""
     import torch
 
-    import gptrain.build as gbuild
-    import gptrain.train as gtrain
-    from gptrain import dist
-    from gptrain.config import load_config
+    import gptrain.commands.train as gtrain
+    import gptrain.training.build as gbuild
+    from gptrain.config.sections import load_config
+    from gptrain.distributed import runtime as dist
 
     probe: dict = {}
     original = gbuild.build_model

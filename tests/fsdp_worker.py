@@ -27,11 +27,11 @@ STEPS = 3
 
 
 def variant(data_dir: str, steps: int, *overrides: str, marker: str = "") -> dict:
-    from gptrain import dist
-    from gptrain.build import build_training
-    from gptrain.config import accumulation_steps, load_config
-    from gptrain.loader import Dataset, TrainLoader
-    from gptrain.step import train_step
+    from gptrain.config.sections import accumulation_steps, load_config
+    from gptrain.data.loader import Dataset, TrainLoader
+    from gptrain.distributed import runtime as dist
+    from gptrain.training.build import build_training
+    from gptrain.training.step import train_step
 
     cfg = load_config(
         DEBUG,
@@ -67,9 +67,9 @@ def init_matches_single_process(data_dir: str) -> dict:
     """Full state dict of the sharded (meta-built) model vs the single-process build_model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from gptrain import dist
-    from gptrain.build import build_model, build_training
-    from gptrain.config import load_config
+    from gptrain.config.sections import load_config
+    from gptrain.distributed import runtime as dist
+    from gptrain.training.build import build_model, build_training
 
     cfg = load_config(DEBUG, [f"data.dir={data_dir}", "dist.mode=fsdp", "model.n_layer=3"])
     info = dist.DistInfo.from_env("cpu")
@@ -99,11 +99,14 @@ def async_save_keeps_the_save_step(data_dir: str, run_dir: str) -> dict:
         get_optimizer_state_dict,
     )
 
-    from gptrain import checkpoint, dist, retention, sharded
-    from gptrain.build import build_training
-    from gptrain.config import load_config
-    from gptrain.loader import Dataset, TrainLoader
-    from gptrain.step import train_step
+    from gptrain.checkpoint import dcp as sharded
+    from gptrain.checkpoint import full as checkpoint
+    from gptrain.checkpoint import retention
+    from gptrain.config.sections import load_config
+    from gptrain.data.loader import Dataset, TrainLoader
+    from gptrain.distributed import runtime as dist
+    from gptrain.training.build import build_training
+    from gptrain.training.step import train_step
 
     cfg = load_config(DEBUG, [f"data.dir={data_dir}", "dist.mode=fsdp", "train.micro_batch_size=4", "optim.warmup_steps=1"])  # fmt: skip
     info, t = dist.DistInfo.from_env("cpu"), cfg.train
@@ -154,7 +157,7 @@ def async_save_keeps_the_save_step(data_dir: str, run_dir: str) -> dict:
 
 
 def main(out_file: str, data_dir: str) -> None:
-    from gptrain import dist
+    from gptrain.distributed import runtime as dist
 
     info = dist.DistInfo.from_env("cpu")
     dist.init(info, "gloo", 120)

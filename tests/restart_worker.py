@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from gptrain import dist, failures
+from gptrain.distributed import failures
+from gptrain.distributed import runtime as dist
 
 info = dist.DistInfo.from_env("cpu")
 dist.init(info, "gloo", 60)

@@ -9,12 +9,12 @@ import threading
 import pytest
 import torch
 
-from gptrain import batch
 from gptrain.__main__ import main as cli
-from gptrain.config import load_config, to_toml
-from gptrain.dist import DistInfo
+from gptrain.config.sections import load_config, to_toml
+from gptrain.distributed.runtime import DistInfo
 from gptrain.errors import UserError
-from gptrain.model import GPT, GPTConfig
+from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.training import batch
 
 
 def train_cfg(*overrides):
@@ -177,7 +177,7 @@ def test_fsdp_trial_step_leaves_no_gradient_for_the_first_step(one_process_group
     unsharded gradient and adds it to the next reduced one: zero_grad does not reach it.)"""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from gptrain.dist import grad_sync
+    from gptrain.distributed.runtime import grad_sync
 
     torch.manual_seed(0)
     plain = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=32))

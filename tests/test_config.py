@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from gptrain.__main__ import main as cli
-from gptrain.cli import help_text
-from gptrain.config import Config, accumulation_steps, load_config, to_toml
+from gptrain.config.cli import help_text
+from gptrain.config.sections import Config, accumulation_steps, load_config, to_toml
 from gptrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_cli_bad_input_is_one_line_exit_2(capsys):
 
 
 def test_cli_forms_of_overrides():
-    from gptrain.cli import parse_cli
+    from gptrain.config.cli import parse_cli
 
     argv = ["--config", "c.toml", "--optim.lr=0.1", "--train.seq_len", "32", "--train.compile", "--log.every", "-1"]  # fmt: skip
     assert parse_cli(argv) == ("c.toml", ["optim.lr=0.1", "train.seq_len=32", "train.compile=true", "log.every=-1"])  # fmt: skip

@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file
 from test_train import comparable
 
-from gptrain import checkpoint, sharded
-from gptrain.config import load_config
-from gptrain.dist import DistInfo, cpu_cores
-from gptrain.train import train
+from gptrain.checkpoint import dcp as sharded
+from gptrain.checkpoint import full as checkpoint
+from gptrain.commands.train import train
+from gptrain.config.sections import load_config
+from gptrain.distributed.runtime import DistInfo, cpu_cores
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +120,7 @@ def test_ddp_fsdp_multinode_equal_single_process(runs):
         assert_same_weights(single, other, f"1 process vs {name}")
     torch.manual_seed(1337)  # training really moved the weights
     cfg = load_config(h.DEBUG)
-    from gptrain.build import build_model
+    from gptrain.training.build import build_model
 
     init = build_model(cfg, 257).state_dict()
     assert max((init[k] - single[k]).abs().max().item() for k in single) > 1e-3

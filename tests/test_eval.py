@@ -11,11 +11,11 @@ import pytest
 from conftest import SHARED
 from test_logs import tensorboard_hparams, tensorboard_scalars
 
-from gptrain import checkpoint
 from gptrain.__main__ import main as cli
-from gptrain.config import load_config
-from gptrain.dist import DistInfo
-from gptrain.train import train
+from gptrain.checkpoint import full as checkpoint
+from gptrain.commands.train import train
+from gptrain.config.sections import load_config
+from gptrain.distributed.runtime import DistInfo
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
@@ -108,7 +108,7 @@ def test_best_val_loss_survives_a_resume(byte_data, tmp_path):
 def test_eval_needs_data_for_val_of_an_hf_folder(tmp_path, capsys):
     from test_hellaswag import save_run
 
-    from gptrain.tokenizers import load_tokenizer
+    from gptrain.data.tokenizers import load_tokenizer
 
     save_run(tmp_path / "run", load_tokenizer("byte"), 64)
     assert cli(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0

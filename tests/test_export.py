@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptrain import checkpoint
 from gptrain.__main__ import main as cli
-from gptrain.export import bpe_merges, hf_tokenizer_json
-from gptrain.model import GPT, GPTConfig
-from gptrain.sample import generate_text
-from gptrain.tokenizers import ByteTokenizer, load_tokenizer
+from gptrain.checkpoint import full as checkpoint
+from gptrain.commands.export import bpe_merges, hf_tokenizer_json
+from gptrain.data.tokenizers import ByteTokenizer, load_tokenizer
+from gptrain.evals.generate import generate_text
+from gptrain.model.gpt import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,7 +95,7 @@ def test_merges_rebuilt_from_ranks_follow_rank_order():
 
 
 def test_bpe_run_exports_its_own_tokenizer(tmp_path, shakespeare_txt):
-    from gptrain.tokenizers import train_bpe
+    from gptrain.data.tokenizers import train_bpe
 
     text = shakespeare_txt.read_text(encoding="utf-8")[:200_000]
     tok = train_bpe([text], 400, tmp_path / "tok.json")

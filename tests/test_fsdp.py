@@ -13,10 +13,11 @@ import dist_helpers as h
 import pytest
 import torch
 
-from gptrain import dist, failures
-from gptrain.build import build_model
-from gptrain.config import DistConfig, load_config
-from gptrain.model import GPT, GPTConfig
+from gptrain.config.sections import DistConfig, load_config
+from gptrain.distributed import failures
+from gptrain.distributed import runtime as dist
+from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.training.build import build_model
 
 CFG = GPTConfig(vocab_size=65, block_size=32, n_layer=3, n_head=2, n_embd=32, dropout=0.1)
 
@@ -155,7 +156,8 @@ def test_async_saved_run_resumes_like_the_uninterrupted_one(dcp_run, byte_data, 
     AdamW state, data cursor, RNG of every rank)."""
     import shutil
 
-    from gptrain import checkpoint, sharded
+    from gptrain.checkpoint import dcp as sharded
+    from gptrain.checkpoint import full as checkpoint
 
     def tensors(folder):
         meta = checkpoint.load_meta(folder)
@@ -190,7 +192,8 @@ def test_async_preemption_checkpoint_is_complete_at_exit_0(byte_data, tmp_path):
     no temporary folder is left."""
     import signal
 
-    from gptrain import checkpoint, retention
+    from gptrain.checkpoint import full as checkpoint
+    from gptrain.checkpoint import retention
 
     run_dir = tmp_path / "run"
     args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--dist.mode=fsdp", "--train.max_steps=60", "--train.micro_batch_size=4", *h.FAST, "--checkpoint.every=2", "--checkpoint.async=true"]  # fmt: skip
@@ -208,8 +211,9 @@ def test_async_preemption_checkpoint_is_complete_at_exit_0(byte_data, tmp_path):
 
 @pytest.mark.slow
 def test_sharded_checkpoint_layout_and_export_sample(dcp_run, tmp_path):
-    from gptrain import checkpoint, sharded
-    from gptrain.hf import load_hf_folder
+    from gptrain.checkpoint import dcp as sharded
+    from gptrain.checkpoint import full as checkpoint
+    from gptrain.model.hf import load_hf_folder
 
     folder = checkpoint.find(dcp_run)
     meta = checkpoint.load_meta(folder)
@@ -236,7 +240,7 @@ def test_sharded_checkpoint_layout_and_export_sample(dcp_run, tmp_path):
 def test_damaged_shard_is_refused_before_anything_is_read(dcp_run, tmp_path):
     import shutil
 
-    from gptrain import checkpoint
+    from gptrain.checkpoint import full as checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(dcp_run, run)
@@ -268,7 +272,7 @@ def test_crafted_dcp_index_runs_nothing(dcp_run, tmp_path):
     import pickle
     import shutil
 
-    from gptrain import checkpoint
+    from gptrain.checkpoint import full as checkpoint
 
     class Payload:
         def __reduce__(self):

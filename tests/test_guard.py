@@ -12,10 +12,11 @@ import pytest
 import torch
 from test_train import DEBUG, run, weights
 
-from gptrain import checkpoint, retention
 from gptrain.__main__ import main as cli
-from gptrain.guard import NonFinite, NonFiniteStop
-from gptrain.model import GPT
+from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import retention
+from gptrain.model.gpt import GPT
+from gptrain.training.guards import NonFinite, NonFiniteStop
 
 QUICK = ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
 QUICK += ["optim.warmup_steps=1"]
@@ -399,7 +400,7 @@ def test_sigusr1_to_gptrains_own_launcher_reaches_the_workers(byte_data, tmp_pat
 
 def test_a_step_that_saves_and_evaluates_saves_first(byte_data, tmp_path, monkeypatch):
     """An eval that dies (out of memory) on a step that also saves cannot cost its checkpoint."""
-    import gptrain.phases as phases
+    import gptrain.training.run as phases
 
     calls = []
 

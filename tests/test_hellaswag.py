@@ -16,12 +16,14 @@ import pytest
 import torch
 from conftest import SHARED
 
-from gptrain import checkpoint, corpora, dist
-from gptrain import hellaswag as hs
 from gptrain.__main__ import main as cli
+from gptrain.checkpoint import full as checkpoint
+from gptrain.data import sources as corpora
+from gptrain.data.tokenizers import load_tokenizer
+from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
-from gptrain.model import GPT, GPTConfig
-from gptrain.tokenizers import load_tokenizer
+from gptrain.evals import hellaswag as hs
+from gptrain.model.gpt import GPT, GPTConfig
 
 HELLASWAG = SHARED / "hellaswag" / "hellaswag_val.jsonl"
 CPU = dist.DistInfo()
@@ -83,7 +85,7 @@ def test_scorer_equals_transformers_reference(tmp_path, hellaswag_file, gpt2_env
     assert cli(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     sums, counts, labels, cut = reference(tmp_path / "hf", hellaswag_file, n, block_size)
 
-    from gptrain.sample import load_model
+    from gptrain.evals.generate import load_model
 
     model, tokenizer, _ = load_model(tmp_path / "run")
     task = hs.HellaSwag(hs.load_examples(str(hellaswag_file), n), tokenizer, block_size, batch_tokens=2048)  # fmt: skip

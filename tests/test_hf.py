@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptrain.hf import config_from_hf, from_hf_state_dict, hf_config_dict, to_hf_state_dict
-from gptrain.model import GPT, PRESETS, GPTConfig
+from gptrain.model.gpt import GPT, PRESETS, GPTConfig
+from gptrain.model.hf import config_from_hf, from_hf_state_dict, hf_config_dict, to_hf_state_dict
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from gptrain import host
+from gptrain.distributed import host
 
 PROBE = """
 import resource, sys, torch
-from gptrain.host import keep_freed_memory
-from gptrain.model import GPT, GPTConfig
+from gptrain.distributed.host import keep_freed_memory
+from gptrain.model.gpt import GPT, GPTConfig
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 torch.manual_seed(0)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from gptrain.data.loader import Dataset, TrainLoader, val_batches
+from gptrain.data.shards import write_manifest, write_shard
 from gptrain.errors import UserError
-from gptrain.loader import Dataset, TrainLoader, val_batches
-from gptrain.shards import write_manifest, write_shard
 
 HASH = hashlib.sha256(b"synthetic").hexdigest()
 VOCAB = 20_000

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gptrain.errors import UserError
-from gptrain.logs import WANDB_ID_FILE, NullLogger, RunLogger, rewind_metrics, tracker_key
+from gptrain.logs.loggers import WANDB_ID_FILE, NullLogger, RunLogger, rewind_metrics, tracker_key
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
@@ -243,7 +243,7 @@ def test_scorecard_reaches_tensorboard_hparams_and_wandb_summary(tmp_path, offli
 def test_best_val_counts_the_eval_logged_after_its_checkpoint(tmp_path):
     """A step's checkpoint is written before its eval, so on resume the best val loss is the
     lower of the checkpoint's record and metrics.jsonl's kept rows (a cut-short line is skipped)."""
-    from gptrain.logs import best_val
+    from gptrain.logs.loggers import best_val
 
     rows = [{"step": 0, "val_loss": 5.0}, {"step": 3, "loss": 4.0}, {"step": 4, "val_loss": 3.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"ste')

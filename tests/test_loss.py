@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gptrain.losses import linear_cross_entropy
-from gptrain.model import GPT, GPTConfig
+from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.losses import linear_cross_entropy
 
 
 def make(vocab_size: int = 100, seed: int = 0) -> GPT:

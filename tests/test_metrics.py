@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gptrain.metrics import format_duration, measure_peak_flops, mfu
+from gptrain.logs.mfu import format_duration, measure_peak_flops, mfu
 
 
 def test_measured_peak_is_a_real_matmul_rate_and_leaves_global_rng_alone():

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from gptrain.attention import matmul_attention
-from gptrain.model import GPT, PRESETS, GPTConfig, KVCache
+from gptrain.model.attention import matmul_attention
+from gptrain.model.gpt import GPT, PRESETS, GPTConfig, KVCache
 
 
 def tiny(**kw) -> GPTConfig:
@@ -294,8 +294,8 @@ def test_fsdp2_fully_shard_from_outside_matches_plain_model(one_process_group):
     """One-process gloo group: per-block then root fully_shard, same losses and weights."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    from gptrain.config import OptimConfig
-    from gptrain.optim import build_optimizer
+    from gptrain.config.sections import OptimConfig
+    from gptrain.training.optim import build_optimizer
 
     ref = make()
     sharded = copy.deepcopy(ref)

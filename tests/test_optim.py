@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gptrain.config import OptimConfig
+from gptrain.config.sections import OptimConfig
 from gptrain.errors import UserError
-from gptrain.model import GPT, GPTConfig
-from gptrain.optim import (
+from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.training.optim import (
     MuonAdamW,
     build_optimizer,
     cosine_lr,
@@ -275,7 +275,7 @@ def test_set_lr_adamw_groups():
 
 
 def test_muon_refused_under_fsdp_and_on_old_torch(monkeypatch):
-    from gptrain.config import load_config
+    from gptrain.config.sections import load_config
 
     with pytest.raises(UserError, match="optim.name = 'muon' with dist.mode = 'fsdp'"):
         load_config(None, ["optim.name=muon", "dist.mode=fsdp"])

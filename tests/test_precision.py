@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from gptrain import precision
 from gptrain.errors import UserError
-from gptrain.precision import mixed_precision, resolve_dtype, set_matmul_precision
+from gptrain.training import precision
+from gptrain.training.precision import mixed_precision, resolve_dtype, set_matmul_precision
 
 
 @pytest.mark.parametrize("has_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gptrain import corpora
-from gptrain import prepare as prep
 from gptrain.__main__ import main as cli
+from gptrain.data import prepare as prep
+from gptrain.data import sources as corpora
+from gptrain.data.loader import Dataset
+from gptrain.data.prepare import prepare
+from gptrain.data.shards import open_shard, verify_dir
 from gptrain.errors import UserError
-from gptrain.loader import Dataset
-from gptrain.prepare import prepare
-from gptrain.shards import open_shard, verify_dir
 
 
 def tokens(folder, split):
@@ -65,7 +65,7 @@ def test_output_identical_for_1_and_2_workers(
     # cutting long documents at safe newlines gives the same tokens as encoding them whole
     single = tmp_path / "single"
     prepare([str(shakespeare_txt)], single, tokenizer=tok, workers=2, progress=False)
-    from gptrain.tokenizers import load_tokenizer
+    from gptrain.data.tokenizers import load_tokenizer
 
     whole = load_tokenizer(tok).encode_array(text[: int(len(text) * 0.9)])
     assert np.array_equal(tokens(single, "train"), whole)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gptrain import batch
-from gptrain.config import load_config
+from gptrain.config.sections import load_config
+from gptrain.training import batch
 
 REPO = Path(__file__).resolve().parents[1]
 GPUS_PER_NODE_FOR_AUTO = 8
@@ -78,7 +78,7 @@ def world_size(argv: list[str], env: dict) -> tuple[int, str | None, list[str]]:
 
 SOURCES = [
     REPO / "README.md",
-    REPO / "gptrain" / "train.py",
+    REPO / "gptrain" / "commands" / "train.py",
     *sorted((REPO / "configs").glob("*.toml")),
 ]
 COMMANDS = [(p, *c) for p in SOURCES for c in training_commands(p)]

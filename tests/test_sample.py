@@ -7,12 +7,12 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from gptrain import checkpoint
 from gptrain.__main__ import main as cli
+from gptrain.checkpoint import full as checkpoint
+from gptrain.data.tokenizers import ByteTokenizer
 from gptrain.errors import UserError
-from gptrain.model import GPT, GPTConfig
-from gptrain.sample import generate_text, load_model
-from gptrain.tokenizers import ByteTokenizer
+from gptrain.evals.generate import generate_text, load_model
+from gptrain.model.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=257, block_size=32, n_layer=2, n_head=2, n_embd=32)
 

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from gptrain.__main__ import main as cli
-from gptrain.errors import UserError
-from gptrain.shards import (
+from gptrain.data.shards import (
     HEADER_SIZE,
     MAGIC,
     open_shard,
@@ -16,6 +15,7 @@ from gptrain.shards import (
     write_manifest,
     write_shard,
 )
+from gptrain.errors import UserError
 
 HASH = hashlib.sha256(b"test tokenizer").hexdigest()
 

@@ -6,10 +6,11 @@ import random
 import numpy as np
 import pytest
 
-from gptrain import corpora, tokenizers
 from gptrain.__main__ import main as cli
+from gptrain.data import sources as corpora
+from gptrain.data import tokenizers
+from gptrain.data.tokenizers import GPT2_TIKTOKEN_SHA256, ByteTokenizer, load_tokenizer
 from gptrain.errors import UserError
-from gptrain.tokenizers import GPT2_TIKTOKEN_SHA256, ByteTokenizer, load_tokenizer
 
 
 def test_byte_round_trips_arbitrary_bytes():

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gptrain import checkpoint
 from gptrain.__main__ import main as cli
-from gptrain.build import build_model
-from gptrain.config import load_config
-from gptrain.dist import DistInfo
-from gptrain.train import train
+from gptrain.checkpoint import full as checkpoint
+from gptrain.commands.train import train
+from gptrain.config.sections import load_config
+from gptrain.distributed.runtime import DistInfo
+from gptrain.training.build import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
@@ -348,7 +348,7 @@ def test_damaged_checkpoint_is_one_line_and_nothing_is_overwritten(
 def test_bpe_run_samples_without_its_data_or_tokenizer_file(shakespeare_txt, tmp_path, capsys):
     """Own BPE tokenizer -> prepare -> train -> sample, with the data and tok.json then deleted:
     the checkpoint folder carries the tokenizer (hash-checked)."""
-    from gptrain.prepare import prepare
+    from gptrain.data.prepare import prepare
 
     tok = tmp_path / "tok.json"
     assert cli(["tokenizer", "train", "--input", str(shakespeare_txt), "--vocab-size", "400", "--out", str(tok)]) == 0  # fmt: skip
@@ -483,7 +483,7 @@ def test_killed_between_the_renames_of_a_re_save_resumes(byte_data, tmp_path):
 
 
 def test_attention_auto_rule():
-    from gptrain.build import attention_kernel
+    from gptrain.training.build import attention_kernel
 
     bf16, f32 = torch.bfloat16, torch.float32
     assert attention_kernel("auto", "cpu", 256, bf16) == "matmul"

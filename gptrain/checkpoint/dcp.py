@@ -1,0 +1,351 @@
+"""Sharded checkpoints for FSDP2 runs, through torch.distributed.checkpoint (DCP).
+
+Each rank writes its own shards of the model and optimizer: no rank gathers the full state (19 GB
+for GPT-2 XL with AdamW), and no rank waits in a collective bounded by dist.timeout_s while another
+writes (the collectives here use dist.io_group(), with its own generous time-out). Layout:
+
+    step_00000100/
+      .metadata          DCP's index of every tensor's chunks (written by rank 0)
+      __0_0.distcp ...   rank r's tensor shards (`__{r}_*.distcp`)
+      state.pt           {optimizer param_groups, data cursor, train_state incl. every rank's RNG}
+      meta.json          as for full checkpoints, plus "layout": "dcp"; size + sha256 of every
+                         file, each rank hashing the shards it wrote
+      tokenizer.json     only for a trained BPE tokenizer
+
+Atomic like checkpoint.save: everything goes into `.tmp-step_...`; after every rank has written and
+hashed its files, rank 0 writes meta.json and renames the folder into place (checkpoint.publish).
+Needs a filesystem that every rank sees (a shared one on several nodes), as DCP does.
+
+checkpoint.async: `save_training` returns as soon as DCP's async_save has staged a copy of this
+rank's shards in host memory (and the small state is copied); a thread writes the shards while
+training goes on. The folder stays `.tmp-step_...`, invisible to resume, until `Pending.wait()`
+(the loop calls it at the next save, before a rollback, at the end and before a preemption exit)
+has every rank's files hashed and publishes it; one save is pending at most.
+
+Loading works on any world size, one process without a process group included (DCP reshards):
+every file is checked against meta.json BEFORE anything is read (the ranks split the hashing), and
+only tensors are stored in DCP files, so DCP unpickles nothing but its `.metadata` index (see
+README: its hash is checked first). `gptrain export` / `sample` read the full model through
+`load_full_model_state` on one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import shutil
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from gptrain.checkpoint import full as checkpoint
+from gptrain.distributed import runtime as gdist
+from gptrain.errors import UserError, first_line
+
+LAYOUT = "dcp"  # meta.json "layout" of a sharded checkpoint (full ones have none)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when the model's parameters are FSDP2 DTensors (save through DCP)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class Pending:
+    """A checkpoint that is not published yet: `wait()` (collective, once) completes it (every
+    rank's files written and hashed, meta.json, the rename into place, `latest`) and returns its
+    folder on the main process. Under checkpoint.async the shards are being written meanwhile."""
+
+    def __init__(self, step: int, finish) -> None:
+        self.step, self._finish = step, finish
+
+    def wait(self) -> Path | None:
+        return self._finish()
+
+
+def check_async(requested: bool, mode: str, info) -> None:
+    """checkpoint.async = true where this run writes full checkpoints (one process under
+    dist.mode = fsdp: nothing is sharded; validate.py refuses ddp) is one line, before anything
+    is written."""
+    if requested and not (mode == "fsdp" and info.world_size > 1):
+        raise UserError(
+            f"checkpoint.async = true but this run ({info.world_size} process) writes full checkpoints: background saving applies only to the sharded (DCP) checkpoints of FSDP2 runs with 2+ processes; use checkpoint.async=false"
+        )
+
+
+def save_training(run_dir, step, model, optimizer, loader, train_state, meta, info, background=False):  # fmt: skip
+    """Collective: a checkpoint of every stateful part; sharded (DCP) for an FSDP2 model, else
+    checkpoint.save_training's full checkpoint. Returns a Pending save; call its wait() (every
+    rank) to publish it. background (checkpoint.async, DCP only): DCP's async_save stages a copy
+    of this rank's shards in host memory before it returns (so later optimizer steps cannot reach
+    the checkpoint) and writes it from a thread; everything else is captured now, too."""
+    if not is_sharded(model):
+        path = checkpoint.save_training(
+            run_dir, step, model, optimizer, loader, train_state, meta, info
+        )
+        return Pending(step, lambda: path)
+    import torch.distributed.checkpoint as dcp
+
+    group = gdist.io_group()
+    root = Path(run_dir) / "checkpoints"
+    name = checkpoint.step_dir_name(step)
+    tmp = root / f".tmp-{name}"
+    if info.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier(group)
+    tensors, others = _state(model, optimizer)
+    writer = dcp.FileSystemWriter(tmp)
+    if background:  # the staged copy is taken here, in this thread, before it returns
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=group)
+        future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse: its write
+    else:
+        future = Future()
+        try:
+            future.set_result(dcp.save(tensors, storage_writer=writer, process_group=group))
+        except (Exception, CheckpointException) as e:  # reported on every rank by _publish
+            future.set_exception(e)
+    state = {  # the rest of the state at this step (small), written when published
+        "optimizer": copy.deepcopy(others),
+        "data": copy.deepcopy(loader.state_dict()),
+        "train_state": {**copy.deepcopy(train_state), "world_size": info.world_size},
+    }
+    rng = checkpoint._rng_state(info.device)
+    tied = checkpoint.shared_parameters(model)
+    finish = lambda: _publish(step, root, tmp, future, state, rng, meta, tied, info, group)  # noqa: E731
+    return Pending(step, finish)
+
+
+def _publish(step, root, tmp, future, state, rng, meta, tied, info, group):
+    """Collective (io group): wait for this rank's shards, hash them, agree that every rank's
+    write succeeded and that rank 0 sees every file; rank 0 writes state.pt and meta.json and
+    renames the folder into place (checkpoint.publish). A failed write is a UserError on every
+    rank (the temporary folder is removed; the previous checkpoint stays `latest`)."""
+    error = ""
+    try:
+        future.result()
+    except (Exception, CheckpointException) as e:  # a full disk, an I/O error, on any rank
+        error = f"cannot write checkpoint {tmp.name.removeprefix('.tmp-')} in {root} ({type(e).__name__}: {first_line(e)}); the previous checkpoint ({checkpoint.pointer(root) or 'none'}) is intact; free disk space and run the same command to resume"
+    records = {  # each rank hashes the shards it wrote
+        p.name: checkpoint._file_record(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))
+    }
+    gathered = [None] * info.world_size
+    tdist.all_gather_object(gathered, (records, rng), group=group)
+    if info.is_main and not error:  # every rank's shards must be in rank 0's folder
+        missing = [n for g in gathered for n in g[0] if not (tmp / n).is_file()]
+        if missing:
+            error = f"FSDP2 checkpoint step {step}: {missing[0]} written by another rank is not in {tmp} as rank 0 sees it; sharded checkpoints need run.dir on a filesystem every node sees (shared), or use dist.mode=ddp"
+    failed = torch.tensor([1.0 if error else 0.0])
+    tdist.all_reduce(failed, group=group)
+    if failed.item():  # every rank stops; the one(s) that failed say why
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(error or "another rank failed (see its message above)")
+    path = None
+    if info.is_main:
+        state["train_state"]["rng"] = [g[1] for g in gathered]
+        torch.save(state, tmp / "state.pt")
+        checkpoint._fsync_file(tmp / "state.pt")
+        tok_file = meta.get("tokenizer", {}).get("path")
+        if tok_file and Path(tok_file).is_file():
+            checkpoint._fsync_write(tmp / checkpoint.TOKENIZER_FILE, Path(tok_file).read_bytes())
+        files = {n: r for g in gathered for n, r in g[0].items()}
+        for f in sorted(tmp.iterdir()):  # .metadata, state.pt, tokenizer.json: rank 0's own
+            if f.name not in files:
+                files[f.name] = checkpoint._file_record(f)
+        meta_all = {
+            "step": step,
+            **meta,
+            "format": checkpoint.FORMAT,
+            "layout": LAYOUT,
+            "tied": tied,
+            "files": files,
+        }
+        checkpoint._fsync_write(tmp / "meta.json", (_json(meta_all) + "\n").encode())
+        path = checkpoint.publish(root, tmp.name.removeprefix(".tmp-"), tmp)
+    _barrier(group)
+    return path
+
+
+def restore_training(ckpt_dir, meta: dict, model, optimizer, loader, info) -> dict:
+    """Collective: load any checkpoint into (possibly wrapped) parts; a DCP one is resharded onto
+    this world size, a full one goes through checkpoint.restore_training. Returns train_state."""
+    if meta.get("layout") != LAYOUT:
+        return checkpoint.restore_training(ckpt_dir, model, optimizer, loader, info)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    group = gdist.io_group()
+    verify(ckpt_dir, meta, info, group)
+    state = gdist.on_main(info, lambda: checkpoint.load_state(ckpt_dir))
+    state = gdist.broadcast_from_main(state)
+    tensors, _ = _state(model, optimizer)
+    _load(ckpt_dir, tensors, group, no_dist=not gdist.active())
+    aliases = checkpoint.shared_parameters(model)
+    model_state = {**tensors["model"], **{a: tensors["model"][s] for a, s in aliases.items()}}
+    opts = StateDictOptions(strict=True)
+    set_model_state_dict(model, model_state, options=opts)
+    optim_state = {
+        "state": _merge(tensors["optim"], state["optimizer"]["state"]),
+        "param_groups": state["optimizer"]["param_groups"],
+    }
+    set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+    loader.load_state_dict(state["data"])
+    ts = state["train_state"]
+    if ts.get("world_size") == info.world_size:
+        checkpoint._set_rng_state(ts["rng"][info.rank], info.device)
+    return ts
+
+
+def load_full_model_state(ckpt_dir, meta: dict, device: str = "cpu") -> dict:
+    """The full (unsharded) model state dict of a DCP checkpoint, read on this one process
+    (`gptrain export` / `sample`), every file checked first; tied aliases included."""
+    model = load_full(ckpt_dir, meta, "model.", device)
+    for alias, source in meta.get("tied", {}).items():
+        model[alias] = model[source]
+    return model
+
+
+def load_full(ckpt_dir, meta: dict, prefix: str, device: str = "cpu") -> dict:
+    """{key without prefix: full tensor} of the DCP entries under `prefix` ("model." or "optim.",
+    whose keys are "FQN.exp_avg" and so on), read on this one process after verify()."""
+    verify(ckpt_dir, meta, gdist.DistInfo(), None)
+    index = _read_index(ckpt_dir).state_dict_metadata
+    flat = {
+        k: torch.empty(m.size, dtype=m.properties.dtype, device=device)
+        for k, m in index.items()
+        if k.startswith(prefix) and hasattr(m, "size")
+    }
+    _load(ckpt_dir, flat, None, no_dist=True)
+    return {k.removeprefix(prefix): v for k, v in flat.items()}
+
+
+def verify(ckpt_dir, meta: dict, info, group) -> None:
+    """Every file meta.json records has its recorded size and sha256, checked before any is read;
+    the ranks share the hashing (file i on rank i % world size), a failure stops every rank."""
+    names = sorted(meta.get("files", {}))
+    if ".metadata" not in names:
+        raise UserError(
+            f"checkpoint {ckpt_dir}: meta.json records no DCP index (.metadata); restore the folder or resume from another step"
+        )
+    error = ""
+    for name in names[info.rank :: max(info.world_size, 1)]:
+        try:
+            checkpoint.verify_file(Path(ckpt_dir) / name, meta)
+        except UserError as e:
+            error = str(e)
+            break
+    failed = torch.tensor([1.0 if error else 0.0])
+    if group is not None:
+        tdist.all_reduce(failed, group=group)
+    if failed.item():
+        raise UserError(error or "a checkpoint file is damaged (see another rank's message)")
+
+
+def _state(model, optimizer) -> tuple[dict, dict]:
+    """({"model": sharded tensors, "optim": optimizer tensors}, optimizer's other entries): only
+    tensors go to DCP files; tied aliases are stored once (under their first name)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model_state = get_model_state_dict(model)
+    for alias in checkpoint.shared_parameters(model):
+        model_state.pop(alias, None)
+    optim = get_optimizer_state_dict(model, optimizer)  # initialises an empty state (load target)
+    tensors, others = {}, {}
+    for fqn, entry in optim["state"].items():
+        tensors[fqn] = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        others[fqn] = {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
+    return {"model": model_state, "optim": tensors}, {
+        "state": others,
+        "param_groups": optim["param_groups"],
+    }
+
+
+def _merge(tensors: dict, others: dict) -> dict:
+    return {fqn: {**others.get(fqn, {}), **entry} for fqn, entry in tensors.items()}
+
+
+def _load(ckpt_dir, tensors: dict, group, no_dist: bool = False) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    _read_index(ckpt_dir)  # refused here, on every rank, if it names anything but DCP's classes
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                tensors,
+                storage_reader=_SafeReader(ckpt_dir),
+                process_group=group,
+                no_dist=no_dist,
+            )
+    except Exception as e:  # DCP wraps rank failures in CheckpointException
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"checkpoint {ckpt_dir} does not fit this model ({first}); use the same [model] config it was trained with"
+        ) from None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` index is a pickle. This reads it without running code: only the index's
+    own classes (DCP's metadata dataclasses, torch.Size, dtypes, layouts, paths) can be named in
+    it; anything else (a function, a class with side effects) is refused before it is called."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}  # fmt: skip
+
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name) if module.startswith("torch") or (module, name) in self.NAMES else None  # fmt: skip
+        if (module, name) in self.NAMES or isinstance(found, torch.dtype):
+            return found
+        if module in self.MODULES and isinstance(found, type) and not name.endswith("Reader"):
+            return found  # the index's dataclasses and enums
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
+
+
+def _read_index(ckpt_dir):
+    """DCP's index of a checkpoint folder, read by _MetadataUnpickler; a refusal is one line."""
+    index = Path(ckpt_dir) / ".metadata"
+    try:
+        with open(index, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, AttributeError, EOFError, ValueError) as e:
+        raise UserError(
+            f"refused {index}: {e} (a checkpoint is data, never code; nothing from it was run); use a checkpoint you trained yourself"
+        ) from None
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's FileSystemReader, with the index read by _read_index instead of pickle.load."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = _read_index(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _barrier(group) -> None:
+    if group is not None:
+        tdist.barrier(group=group)
+
+
+def _json(obj) -> str:
+    import json
+
+    return json.dumps(obj, indent=2)

@@ -1,0 +1,171 @@
+"""`gptrain eval`: validation loss/bpb and HellaSwag for a run's checkpoint or any Hugging Face GPT-2.
+
+    gptrain eval --run runs/debug --tasks val,hellaswag               # latest checkpoint, its own data
+    gptrain eval --run runs/debug --step 500 --tasks hellaswag --hellaswag-limit 1000
+    gptrain eval --hf exports/gpt2 --tasks val,hellaswag --data data/fineweb-gpt2
+    torchrun --nproc_per_node=8 -m gptrain eval --hf DIR --tasks hellaswag    # examples split over ranks
+
+Both kinds of model go through the same code (gptrain's GPT, the same scorer, the same validation
+tokens), so a run compares with any GPT-2 checkpoint on the same footing. Prints a table and writes
+the numbers as JSON (--out; default RUN/eval/step_N.json for a run, ./eval-NAME.json for --hf).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from gptrain.distributed import runtime as dist
+from gptrain.errors import ArgParser, UserError
+
+TASKS = ("val", "hellaswag")
+
+
+def hf_tokenizer(folder: Path, vocab_size: int, override: str = ""):
+    """The tokenizer of a Hugging Face GPT-2 folder: --tokenizer, else the one gptrain export
+    recorded, else GPT-2's for a 50257-token vocabulary, else its tokenizer.json as a BPE."""
+    from gptrain.data.tokenizers import load_tokenizer
+
+    if override:
+        return load_tokenizer(override)
+    record = folder / "gptrain_export.json"
+    if record.is_file():
+        ident = dict(json.loads(record.read_text()).get("tokenizer", {}))
+        if ident.get("name") == "bpe":
+            ident["path"] = str(folder / "tokenizer.json")
+        return load_tokenizer(ident)
+    if vocab_size == 50257:
+        return load_tokenizer("gpt2")
+    if (folder / "tokenizer.json").is_file():
+        return load_tokenizer(f"bpe:{folder / 'tokenizer.json'}")
+    raise UserError(
+        f"cannot tell the tokenizer of {folder} (vocab {vocab_size}); pass --tokenizer byte|gpt2|bpe:PATH"
+    )
+
+
+def load_subject(a, device) -> tuple:
+    """(model in eval mode, tokenizer, name, step, data dir recorded with it or None)."""
+    if a.run:
+        from gptrain.evals.generate import load_model
+
+        model, tokenizer, meta = load_model(a.run, a.step, device)
+        return model, tokenizer, Path(a.run).name, meta.get("step"), meta.get("data_dir")
+    from gptrain.model.hf import load_hf_folder
+
+    model = load_hf_folder(a.hf).to(device).eval()
+    tokenizer = hf_tokenizer(Path(a.hf), model.config.vocab_size, a.tokenizer)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise UserError(f"tokenizer vocab {tokenizer.vocab_size} != model vocab {model.config.vocab_size} in {a.hf}; pass --tokenizer")  # fmt: skip
+    return model, tokenizer, Path(a.hf).resolve().name, None, None
+
+
+def validation(model, tokenizer, data_dir, info, autocast, eval_tokens: int, seq_len: int, batch: int) -> dict:  # fmt: skip
+    """val loss and bits per byte on the data folder's first eval_tokens validation tokens."""
+    from gptrain.data.loader import Dataset
+    from gptrain.evals.val import evaluate
+
+    dataset = Dataset(data_dir)
+    if dataset.manifest["tokenizer"].get("hash") != tokenizer.hash:
+        raise UserError(
+            f"--data {data_dir} was prepared with tokenizer {dataset.manifest['tokenizer'].get('name')!r}, the model uses {tokenizer.name!r}; prepare the data with the model's tokenizer"
+        )
+    byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
+    loss, bpb = evaluate(model, dataset, seq_len=seq_len, micro_batch_size=batch, eval_tokens=eval_tokens, info=info, autocast=autocast, byte_lengths=byte_lengths)  # fmt: skip
+    return {"val_loss": loss, "val_bpb": bpb}
+
+
+def hellaswag(model, tokenizer, source: str, limit: int, batch_tokens: int, info, autocast) -> tuple[dict, dict]:  # fmt: skip
+    """(summary numbers, per-example predictions {"acc": [...], "acc_norm": [...]})."""
+    from gptrain.evals.hellaswag import HellaSwag, load_examples
+
+    examples = dist.local_main_first(info, lambda: load_examples(source, limit))
+    task = HellaSwag(examples, tokenizer, model.config.block_size, batch_tokens)
+    t0 = time.perf_counter()
+    result = task.score(model, info, autocast)
+    seconds = time.perf_counter() - t0
+    tokens = torch.tensor([result.tokens], dtype=torch.float64, device=info.device)
+    dist.all_reduce_sum(tokens)  # every rank's real tokens
+    preds = {"acc": result.pred.tolist(), "acc_norm": result.pred_norm.tolist()}
+    return {
+        **result.metrics(),
+        "hellaswag_examples": len(examples),
+        "hellaswag_truncated": result.truncated,
+        "hellaswag_seconds": seconds,
+        "hellaswag_tok_per_s": tokens.item() / seconds,
+    }, preds
+
+
+def format_table(name: str, step, results: dict) -> str:
+    rows = [("model", name + (f" (step {step})" if step is not None else ""))]
+    for key, value in results.items():
+        rows.append((key, f"{value:.4f}" if isinstance(value, float) else str(value)))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str]) -> int:
+    from gptrain.training.precision import mixed_precision, resolve_dtype
+
+    p = ArgParser(prog="gptrain eval", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="run directory (its latest checkpoint, or --step)")
+    src.add_argument("--hf", help="a Hugging Face GPT-2 folder (config.json + weights)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step of --run")
+    p.add_argument("--tasks", default="val,hellaswag", help="comma-separated: val, hellaswag")
+    p.add_argument("--data", default="", help="prepared data folder for val (default: the run's)")
+    p.add_argument("--val-tokens", type=int, default=65536, help="validation token budget")
+    p.add_argument("--hellaswag", default="hellaswag", help="hellaswag_val.jsonl path or 'hellaswag' (built-in)")  # fmt: skip
+    p.add_argument("--hellaswag-limit", type=int, default=0, help="first N examples (0 = all)")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per forward")
+    p.add_argument("--tokenizer", default="", help="tokenizer of --hf (default: detected)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--out", default="", help="JSON file to write")
+    a = p.parse_args(argv)
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise UserError(f"--tasks {a.tasks!r}; choose from: {', '.join(TASKS)}")
+    for key in ("val_tokens", "batch_tokens"):
+        if getattr(a, key) < 1:
+            raise UserError(f"--{key.replace('_', '-')} must be >= 1")
+    if a.hellaswag_limit < 0:
+        raise UserError("--hellaswag-limit must be >= 0 (0 = all examples)")
+    if a.step is not None and not a.run:
+        raise UserError("--step goes with --run")
+    info = dist.DistInfo.from_env(a.device)
+    dist.init(info)
+    finished = False
+    try:
+        model, tokenizer, name, step, run_data = load_subject(a, info.device)
+        ptdtype = resolve_dtype(a.dtype, info.device_type)
+        autocast, _ = mixed_precision(ptdtype, info.device_type)
+        results, details = {}, {}
+        if "val" in tasks:
+            data = a.data or run_data
+            if not data:
+                raise UserError("--tasks val needs --data DIR (a folder made by gptrain prepare)")
+            seq_len = model.config.block_size
+            results |= validation(model, tokenizer, data, info, autocast, a.val_tokens, seq_len, max(1, a.batch_tokens // seq_len))  # fmt: skip
+        if "hellaswag" in tasks:
+            numbers, details["hellaswag_predictions"] = hellaswag(model, tokenizer, a.hellaswag, a.hellaswag_limit, a.batch_tokens, info, autocast)  # fmt: skip
+            results |= numbers
+        if info.is_main:
+            out = Path(a.out) if a.out else None
+            if out is None:
+                out = Path(a.run) / "eval" / f"step_{step:08d}.json" if a.run else Path(f"eval-{name}.json")  # fmt: skip
+            record = {"model": a.run or a.hf, "step": step, "tokenizer": tokenizer.name, "dtype": str(ptdtype).removeprefix("torch."), "world_size": info.world_size, **results, **details}  # fmt: skip
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
+            os.replace(tmp, out)
+            print(format_table(name, step, results))
+            print(f"wrote {out}")
+        finished = True
+    finally:
+        dist.teardown(wait_for_peers=finished)
+    return 0

@@ -1,0 +1,160 @@
+"""`gptrain train`: the training loop, top to bottom, for one process or many.
+
+    gptrain train --config configs/debug.toml                          # one process (CPU or a GPU)
+    gptrain train --config configs/default.toml --optim.lr=1e-3        # overrides: --section.key=value
+    gptrain train --config configs/default.toml --dist.nproc_per_node=auto   # one worker per GPU
+    torchrun --nproc_per_node=8 -m gptrain train --config configs/gpt2_124m.toml
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
+        --rdzv_endpoint=HOST:29500 -m gptrain train --config configs/gpt2_124m.toml   # on each node
+
+One optimizer step consumes exactly train.total_batch_size tokens whatever the world size:
+accumulation = total_batch_size / (micro_batch_size * seq_len * world_size). Gradients are
+synchronised only on the last micro-step. `.item()` (a host sync) happens only on logging steps.
+
+At each step boundary the loop asks gptrain/training/guards.py whether a rank was signalled to stop (then it
+saves and exits 0) and, on steps that sync anyway, applies the non-finite policy. A step that both
+saves and evaluates writes its checkpoint first. What happens before the loop and on its
+logging, eval and checkpoint steps is in gptrain/training/run.py, one named function per phase.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from gptrain.checkpoint import full as checkpoint
+from gptrain.config.cli import parse_cli
+from gptrain.config.sections import Config, load_config
+from gptrain.distributed import failures, launch
+from gptrain.distributed import runtime as dist
+from gptrain.training import batch
+from gptrain.training import run as phases
+from gptrain.training.guards import NonFiniteStop, Preemption, roll_back
+from gptrain.training.optim import lr_at, set_lr
+from gptrain.training.step import train_step
+
+
+def train(cfg: Config, info: dist.DistInfo) -> dict:
+    """Run one training job; returns the summary dict (also written to run.dir/summary.json)."""
+    t = cfg.train
+    run = phases.start(cfg, info)  # data, resume, model, loader, logger: every bad input fails here
+    if run.ckpt is None and cfg.eval.every > 0:  # the untrained baseline: curves start at step 0
+        run.logger.log(0, {"tokens": 0, **phases.eval_and_sample(run, 0, True, False)})
+    if run.step >= t.max_steps:  # nothing to do: leave the run's summary and plot as they are
+        run.logger.text(
+            f"already trained to step {run.step} (train.max_steps = {t.max_steps}); raise train.max_steps to continue"
+        )
+        run.close()
+        return {"steps": run.step, "tokens": run.tokens, "world_size": info.world_size}
+
+    # the loop
+    run.t_start = t_log = time.perf_counter()
+    steps_since_log, last = 0, {}  # last: the latest logged metrics and eval results
+    preemption, stopped_by = Preemption().install(), None
+    windows_per_step = t.total_batch_size // t.seq_len  # the data cursor's advance per step
+    try:
+        while run.step < t.max_steps:
+            lr = lr_at(run.step, cfg.optim, t.max_steps)
+            set_lr(run.optimizer, lr, cfg.optim)
+            loss_sum, grad_norm = train_step(
+                run.wrapped, run.model, run.optimizer, run.scaler, run.loader.next_batch,
+                run.accum, run.autocast, cfg.optim.grad_clip, guard=run.nonfinite, step=run.step + 1,
+            )  # fmt: skip
+            run.step += 1
+            run.tokens += t.total_batch_size
+            steps_since_log += 1
+            step = run.step
+
+            final = step == t.max_steps
+            eval_now = final or (cfg.eval.every > 0 and step % cfg.eval.every == 0)
+            sample_now = final or (cfg.eval.sample_every > 0 and step % cfg.eval.sample_every == 0)
+            log_now = step % cfg.log.every == 0 or final or eval_now or sample_now
+            log_now = log_now or phases.hellaswag_due(run, step)
+            save_now = final or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
+            stop = preemption.agreed()  # one tiny CPU all-reduce: did any rank get SIGTERM/USR1?
+            if log_now or save_now or stop:  # steps that sync anyway: the non-finite policy
+                bad_step = run.nonfinite.check(step)  # raises NonFiniteStop (stop, max_skips)
+                if bad_step is not None:  # rollback
+                    phases.publish(run)  # a pending save is a checked step's: roll back to it
+                    run.rollbacks += 1
+                    run.step, run.tokens = roll_back(
+                        bad_step, step, cfg.run.dir, run.model, run.optimizer, run.loader, info,
+                        windows_per_step, run.nonfinite, run.logger,
+                    )  # fmt: skip
+                    steps_since_log, t_log = 0, time.perf_counter()
+                    if run.bar:
+                        run.bar.n = run.step
+                    continue
+            if log_now:
+                metrics = phases.step_metrics(run, loss_sum, grad_norm, lr, steps_since_log, t_log)
+            if save_now or stop:  # before eval: an eval that fails cannot cost the checkpoint
+                saved_path = phases.save(run, wait=final or stop)  # complete before exiting
+            if log_now:
+                metrics.update(phases.eval_and_sample(run, step, eval_now, sample_now))
+                last.update(metrics)
+                run.logger.log(step, metrics)
+                phases.report(run, metrics)
+                steps_since_log = 0
+            if run.bar:
+                run.bar.update(1)
+            if stop and not final:  # (a signal at the last step: the run simply finishes)
+                stopped_by = preemption.received or "a signal to another rank"
+                run.logger.text(
+                    f"stopped by {stopped_by} at step {step}: checkpoint {saved_path} is complete; run the same command to resume"
+                )
+                break
+            if steps_since_log == 0:  # throughput intervals exclude eval, sampling and checkpoints
+                t_log = time.perf_counter()
+    except (KeyboardInterrupt, NonFiniteStop) as e:
+        run.loader.close()
+        if isinstance(e, NonFiniteStop):  # every rank stops here: a pending save is published
+            phases.publish(run)
+            run.logger.text(f"stopped: {e}", echo=False)  # main() prints it once
+        elif info.is_main:  # only the main process reads the run directory
+            run.logger.text(
+                f"interrupted at step {run.step}; the last checkpoint is {checkpoint.latest(cfg.run.dir)}; run the same command to resume"
+            )
+        run.close()
+        raise
+    finally:
+        preemption.restore()
+    run.loader.close()
+    if stopped_by:  # the run is not finished: no final summary or plot
+        run.close()
+        return {"steps": run.step, "tokens": run.tokens, "world_size": info.world_size, "stopped_by": stopped_by}  # fmt: skip
+    if run.bar:
+        run.bar.close()
+    summary = phases.finish(run, last)
+    run.logger.close()
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    config_file, overrides = parse_cli(argv, __doc__)
+    cfg = load_config(config_file, overrides)
+    if "RANK" not in os.environ:  # not under torchrun: maybe launch the workers ourselves
+        nproc, nnodes = launch.nproc_for(cfg.dist.nproc_per_node), cfg.dist.nnodes
+        if nproc > 1 or nnodes > 1:
+            batch.plan(cfg.train, nproc * nnodes)  # fail before spawning anything
+            return launch.launch(nproc, argv, cfg.dist)
+    info = dist.DistInfo.from_env(cfg.train.device)
+    dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
+    finished = False
+    try:
+        train(cfg, info)
+        finished = True
+    except KeyboardInterrupt:
+        return 130
+    except NonFiniteStop as e:  # train.nonfinite = stop, or train.max_skips reached
+        print(f"gptrain: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # a dead or stuck peer: one line naming rank and operation, exit 1
+        failure = failures.failure(e, info) if dist.active() else None
+        if failure is None:
+            raise
+        print(f"gptrain: error: {failure}", file=sys.stderr)
+        return 1
+    finally:
+        dist.teardown(wait_for_peers=finished)
+    return 0

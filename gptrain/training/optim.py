@@ -1,0 +1,166 @@
+"""Optimizers (AdamW; Muon for the block matrices + AdamW for the rest) and the learning-rate
+schedules (warmup + cosine; warmup, stable, linear decay).
+
+Weight decay applies to matrices (embeddings and Linear weights, dim >= 2) and not to biases or
+LayerNorm parameters. AdamW works unchanged with FSDP2 (DTensor parameters report their global
+shape); Muon is refused under FSDP2 by config validation: torch.optim.Muon would orthogonalise
+each rank's shard of a matrix instead of the whole matrix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from gptrain.config.sections import OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: dim >= 2 parameters decayed, the rest not; a tied weight appears once."""
+    decay, no_decay = [], []
+    for p in model.parameters():  # parameters() yields a shared (tied) Parameter only once
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def muon_split(model: nn.Module, weight_decay: float) -> tuple[list, list[dict]]:
+    """(Muon parameters, AdamW groups): the 2-D weights inside the transformer blocks go to Muon;
+    embeddings (wte, tied to lm_head), wpe, biases and LayerNorms stay with AdamW."""
+    in_blocks = {id(p) for p in model.transformer.h.parameters()}
+    muon, rest = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (muon if id(p) in in_blocks and p.dim() == 2 else rest).append(p)
+    return muon, [
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon over `muon_params` and torch.optim.AdamW over `adamw_groups`, as ONE
+    optimizer: one step(), one zero_grad(), one param_groups list (Muon's groups first) and one
+    state dict, so checkpointing (torch.distributed.checkpoint.state_dict), GradScaler and
+    clipping see a plain Optimizer. The two inner optimizers share this object's group dicts and
+    its `state`; load_state_dict re-links them to the loaded ones.
+
+    Muon scales each matrix's step by sqrt(max(1, rows / cols)) (torch's adjust_lr_fn
+    "original", Keller Jordan's rule, as in modded-nanogpt and nanochat), so `muon_lr` is of the
+    order of 0.02 while AdamW's lr stays that of an AdamW run."""
+
+    def __init__(self, muon_params, adamw_groups, *, muon: dict, adamw: dict):
+        self.muon = torch.optim.Muon(muon_params, **muon, adjust_lr_fn="original")
+        self.adamw = torch.optim.AdamW(adamw_groups, **adamw)
+        super().__init__(self.muon.param_groups + self.adamw.param_groups, defaults={})
+        self._n_muon = len(self.muon.param_groups)
+        self._link()
+
+    def _link(self) -> None:
+        self.muon.param_groups = self.param_groups[: self._n_muon]
+        self.adamw.param_groups = self.param_groups[self._n_muon :]
+        self.muon.state = self.adamw.state = self.state  # disjoint parameters: one state mapping
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MuonAdamW.step takes no closure")
+        self.muon.step()
+        self.adamw.step()
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)  # replaces self.param_groups and self.state
+        self._link()
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
+    """cfg.name = adamw: AdamW(betas=(beta1, beta2), eps) over param_groups, with the fused
+    kernel on CUDA and CPU (on a CPU 5-10x faster than foreach: one pass over each parameter
+    instead of a dozen), else foreach. muon: MuonAdamW (see muon_split for which parameter goes
+    where)."""
+    fused = device_type in ("cuda", "cpu")
+    adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused)  # fmt: skip
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(param_groups(model, cfg.weight_decay), **adamw)
+    muon_params, groups = muon_split(model, cfg.weight_decay)
+    muon = dict(lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True, ns_steps=cfg.muon_ns_steps)  # fmt: skip
+    return MuonAdamW(muon_params, groups, muon=muon, adamw=adamw)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, cfg: OptimConfig) -> None:
+    """Set this step's learning rate: `lr` (from lr_at) for the AdamW groups, and the same fraction
+    of the peak, lr / cfg.lr, of cfg.muon_lr for the Muon groups. Taken from the config every step,
+    so a resumed run follows the config it is started with."""
+    muon_lr = cfg.muon_lr * lr / cfg.lr
+    for group in optimizer.param_groups:
+        group["lr"] = muon_lr if "ns_steps" in group else lr  # only Muon's groups have ns_steps
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """The learning rate of optimizer step `step` under cfg's schedule (see the two below)."""
+    kw = dict(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=max_steps)
+    if cfg.lr_schedule == "wsd":
+        return wsd_lr(step, decay_fraction=cfg.decay_fraction, **kw)
+    return cosine_lr(step, **kw)
+
+
+def _check_args(step: int, warmup_steps: int, max_steps: int) -> None:
+    if warmup_steps < 0 or max_steps < 1 or step < 0:
+        raise ValueError(
+            f"need step >= 0, warmup_steps >= 0, max_steps >= 1; got step={step}, "
+            f"warmup_steps={warmup_steps}, max_steps={max_steps}"
+        )
+
+
+def cosine_lr(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
+    """Learning rate of optimizer step `step` (counted from 0).
+
+        step < warmup_steps:              lr * (step + 1) / warmup_steps      (linear warmup)
+        step >= max_steps - 1:            min_lr                              (end, held after)
+        otherwise, with p = (step - warmup_steps) / (max_steps - 1 - warmup_steps) in [0, 1):
+                                          min_lr + 0.5 * (1 + cos(pi * p)) * (lr - min_lr)
+
+    So the last warmup step and the first cosine step both use the peak lr, and min_lr is
+    reached exactly at step max_steps - 1. warmup_steps may be 0 (start at the peak).
+    """
+    _check_args(step, warmup_steps, max_steps)
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if step >= max_steps - 1:
+        return min_lr
+    progress = (step - warmup_steps) / (max_steps - 1 - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def wsd_lr(
+    step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay_fraction: float
+) -> float:
+    """Warmup, stable, decay: learning rate of optimizer step `step` (counted from 0).
+
+    With n = max(1, round(decay_fraction * max_steps)) decay steps starting at
+    d = max(warmup_steps, max_steps - n) (the decay never eats into the warmup):
+
+        step < warmup_steps:      lr * (step + 1) / warmup_steps           (linear warmup)
+        warmup_steps <= step < d: lr                                       (stable)
+        d <= step < max_steps:    lr + (min_lr - lr) * (step - d + 1) / (max_steps - d)
+        step >= max_steps:        min_lr                                   (held)
+
+    So step d - 1 is the last at the peak, the decay is linear, and step max_steps - 1 (the last
+    step) uses min_lr, as in cosine_lr.
+    """
+    _check_args(step, warmup_steps, max_steps)
+    if not 0 < decay_fraction <= 1:
+        raise ValueError(f"decay_fraction must be in (0, 1], got {decay_fraction}")
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if step >= max_steps - 1:
+        return min_lr
+    start = max(warmup_steps, max_steps - max(1, round(decay_fraction * max_steps)))
+    if step < start:
+        return lr
+    return lr + (min_lr - lr) * (step - start + 1) / (max_steps - start)
