@@ -1,5 +1,6 @@
-"""Every training command the README (and the presets' and train.py's headers) shows is valid for
-the world size it shows: its config loads and its global batch divides into micro-batches.
+"""Every training command the README and the guides in docs/ (and the presets' and
+gptrain/commands/train.py's headers) show is valid for the world size it shows: its config loads and
+its global batch divides into micro-batches. The same checks run over README.md and every docs/*.md.
 
 World size = processes per node x nodes, read from the command (torchrun's --nproc_per_node /
 --nnodes, or gptrain's --dist.nproc_per_node / --dist.nnodes; a Slurm script's node count from
@@ -76,8 +77,10 @@ def world_size(argv: list[str], env: dict) -> tuple[int, str | None, list[str]]:
     return nproc * int(nnodes), config, overrides
 
 
+DOCS = sorted((REPO / "docs").glob("*.md"))
 SOURCES = [
     REPO / "README.md",
+    *DOCS,
     REPO / "gptrain" / "commands" / "train.py",
     *sorted((REPO / "configs").glob("*.toml")),
 ]
@@ -88,6 +91,15 @@ def test_the_readme_shows_the_commands_this_test_checks():
     readme = [c for c in COMMANDS if c[0].name == "README.md"]
     worlds = {world_size(argv, env)[0] for _, _, argv, env in readme}
     assert len(readme) >= 8 and {1, 8, 16, 32} <= worlds, worlds  # laptop, 8 GPUs, 2 and 4 nodes
+
+
+def test_the_docs_show_the_commands_this_test_checks():
+    """docs/*.md are read (a moved folder would silently check nothing), and the distributed
+    guide's commands cover 8 GPUs, 2 nodes and a 4-node Slurm job."""
+    assert REPO / "docs" / "distributed.md" in DOCS, DOCS
+    guide = [c for c in COMMANDS if c[0].name == "distributed.md"]
+    worlds = {world_size(argv, env)[0] for _, _, argv, env in guide}
+    assert len(guide) >= 6 and {8, 16, 32} <= worlds, worlds
 
 
 @pytest.mark.parametrize(
