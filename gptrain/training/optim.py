@@ -3,8 +3,9 @@ schedules (warmup + cosine; warmup, stable, linear decay).
 
 Weight decay applies to matrices (embeddings and Linear weights, dim >= 2) and not to biases or
 LayerNorm parameters. AdamW works unchanged with FSDP2 (DTensor parameters report their global
-shape); Muon is refused under FSDP2 by config validation: torch.optim.Muon would orthogonalise
-each rank's shard of a matrix instead of the whole matrix.
+shape); Muon (ours, gptrain/training/muon.py: torch.optim.Muon's update with the orthogonalisation
+in a dtype chosen for the device) is refused under FSDP2 by config validation: it would
+orthogonalise each rank's shard of a matrix instead of the whole matrix.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from gptrain.config.sections import OptimConfig
+from gptrain.training.muon import Muon
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -44,18 +46,20 @@ def muon_split(model: nn.Module, weight_decay: float) -> tuple[list, list[dict]]
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """torch.optim.Muon over `muon_params` and torch.optim.AdamW over `adamw_groups`, as ONE
-    optimizer: one step(), one zero_grad(), one param_groups list (Muon's groups first) and one
+    """Muon (gptrain/training/muon.py) over `muon_params` and torch.optim.AdamW over
+    `adamw_groups`, as ONE optimizer: one step(), one zero_grad(), one param_groups list (Muon's groups first) and one
     state dict, so checkpointing (torch.distributed.checkpoint.state_dict), GradScaler and
     clipping see a plain Optimizer. The two inner optimizers share this object's group dicts and
     its `state`; load_state_dict re-links them to the loaded ones.
 
     Muon scales each matrix's step by sqrt(max(1, rows / cols)) (torch's adjust_lr_fn
     "original", Keller Jordan's rule, as in modded-nanogpt and nanochat), so `muon_lr` is of the
-    order of 0.02 while AdamW's lr stays that of an AdamW run."""
+    order of 0.02 while AdamW's lr stays that of an AdamW run. `muon_dtype` is the dtype of the
+    orthogonalisation (bf16: torch.optim.Muon's, bit for bit); the groups and state are
+    torch.optim.Muon's, so checkpoints of earlier versions (which used it) resume."""
 
-    def __init__(self, muon_params, adamw_groups, *, muon: dict, adamw: dict):
-        self.muon = torch.optim.Muon(muon_params, **muon, adjust_lr_fn="original")
+    def __init__(self, muon_params, adamw_groups, *, muon: dict, adamw: dict, muon_dtype: torch.dtype = torch.bfloat16):  # fmt: skip
+        self.muon = Muon(muon_params, **muon, dtype=muon_dtype)
         self.adamw = torch.optim.AdamW(adamw_groups, **adamw)
         super().__init__(self.muon.param_groups + self.adamw.param_groups, defaults={})
         self._n_muon = len(self.muon.param_groups)
@@ -78,18 +82,21 @@ class MuonAdamW(torch.optim.Optimizer):
         self._link()
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str, muon_dtype: torch.dtype | None = None) -> torch.optim.Optimizer:  # fmt: skip
     """cfg.name = adamw: AdamW(betas=(beta1, beta2), eps) over param_groups, with the fused
     kernel on CUDA and CPU (on a CPU 5-10x faster than foreach: one pass over each parameter
     instead of a dozen), else foreach. muon: MuonAdamW (see muon_split for which parameter goes
-    where)."""
+    where), orthogonalising in `muon_dtype` (the run's measured choice, gptrain/training/
+    choices.py); None: cfg.muon_dtype when explicit, else bf16 (what torch.optim.Muon does)."""
     fused = device_type in ("cuda", "cpu")
     adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused)  # fmt: skip
     if cfg.name == "adamw":
         return torch.optim.AdamW(param_groups(model, cfg.weight_decay), **adamw)
     muon_params, groups = muon_split(model, cfg.weight_decay)
     muon = dict(lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True, ns_steps=cfg.muon_ns_steps)  # fmt: skip
-    return MuonAdamW(muon_params, groups, muon=muon, adamw=adamw)
+    if muon_dtype is None:
+        muon_dtype = torch.float32 if cfg.muon_dtype == "float32" else torch.bfloat16
+    return MuonAdamW(muon_params, groups, muon=muon, adamw=adamw, muon_dtype=muon_dtype)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, cfg: OptimConfig) -> None:
