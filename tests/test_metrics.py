@@ -1,20 +1,114 @@
-"""Metrics: the measured peak and the MFU arithmetic."""
+"""Metrics: the measured peak, MFU (never above 100%) and how a rate is printed."""
+
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from gptrain.logs.mfu import format_duration, measure_peak_flops, mfu
+from gptrain.logs.mfu import (
+    PEAK_SHAPES,
+    checked_mfu,
+    format_duration,
+    format_flops,
+    measure_peak_flops,
+    mfu,
+)
 
 
 def test_measured_peak_is_a_real_matmul_rate_and_leaves_global_rng_alone():
     state = torch.get_rng_state()
-    peak = measure_peak_flops("cpu", torch.float32, seconds_per_shape=0.05)
+    peak = measure_peak_flops("cpu", torch.float32, runs=1)
     assert torch.equal(state, torch.get_rng_state())
     # no faster than a timed matmul of one of the shapes could possibly be (sanity bounds)
     assert 1e8 < peak < 1e15
     assert mfu(tokens_per_s=1000, flops_per_token=peak / 2000, peak_flops=peak) == pytest.approx(
         0.5
     )
+
+
+def _count_matmuls(monkeypatch) -> list:
+    calls = []
+    real = torch.Tensor.__matmul__
+
+    def counted(a, b):
+        calls.append((a.shape[0], a.shape[1], b.shape[1]))
+        return real(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: ~1 GFLOP/s here
+def test_every_dtype_is_timed_the_same_way_in_complete_runs(monkeypatch, dtype):
+    """Each shape: one warm-up and `runs` complete timed runs, for a slow dtype too; a slow
+    dtype stops at a smaller shape (never a fraction of a run), in bounded time, and its peak
+    is a positive number printed in a unit that does not round to 0."""
+    calls = _count_matmuls(monkeypatch)
+    t0 = time.perf_counter()
+    peak = measure_peak_flops("cpu", dtype, runs=2, max_run_s=0.2)
+    assert time.perf_counter() - t0 < 6.0
+    shapes = list(dict.fromkeys(calls))
+    assert shapes == PEAK_SHAPES["cpu"][: len(shapes)] and shapes  # smallest first, a prefix
+    assert calls == [s for s in shapes for _ in range(3)]  # warm-up + 2 runs, every shape
+    assert peak > 0 and not format_flops(peak).startswith("0")
+    if dtype == torch.float16:  # on CPUs without AVX512-FP16 float16 is slow
+        assert len(shapes) < len(PEAK_SHAPES["cpu"])
+
+
+def test_emulated_bf16_peak_on_the_avx2_tier_is_measured_and_printed():
+    """The issue's case: on the AVX2 tier (bf16 emulated; emulated here with torch's and
+    oneDNN's ISA limits) bench printed a bf16 peak of "0.00 TFLOP/s" and MFU 267%."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    code = (
+        "import time, torch\n"
+        "from gptrain.logs.mfu import measure_peak_flops, format_flops\n"
+        "t0 = time.perf_counter()\n"
+        "bf16, f32 = (measure_peak_flops('cpu', d) for d in (torch.bfloat16, torch.float32))\n"
+        "print(torch.backends.cpu.get_cpu_capability(), bf16, f32, time.perf_counter() - t0, format_flops(bf16))\n"  # fmt: skip
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    capability, bf16, f32, seconds, unit = out.stdout.split(maxsplit=4)
+    assert capability == "AVX2", out.stderr
+    assert 0 < float(bf16) < float(f32) / 2  # emulated: much slower than float32, yet measured
+    assert float(seconds) < 10 and unit.strip().endswith(("GFLOP/s", "MFLOP/s"))
+    assert not unit.startswith("0")
+
+
+def test_format_flops_keeps_three_digits_in_a_unit_that_fits():
+    assert format_flops(2.41e9) == "2.41 GFLOP/s"
+    assert format_flops(75.34e9) == "75.3 GFLOP/s"
+    assert format_flops(1.21e12) == "1.21 TFLOP/s"
+    assert format_flops(989e12) == "989 TFLOP/s"
+    assert format_flops(3.5e6) == "3.5 MFLOP/s"
+
+
+def test_mfu_never_exceeds_one_the_peak_is_raised_with_a_warning():
+    peak = measure_peak_flops("cpu", torch.float16, runs=1, max_run_s=0.1)  # a slow dtype here
+    fpt = 1e6
+    # below the peak: plain MFU, peak kept, no warning; per process under DDP
+    m, kept, warning = checked_mfu(0.25 * peak / fpt, fpt, peak)
+    assert m == pytest.approx(0.25) and kept == peak and warning == ""
+    m, kept, warning = checked_mfu(0.5 * peak / fpt, fpt, peak, world_size=2)
+    assert m == pytest.approx(0.25) and kept == peak and warning == ""
+    # achieved 2.67x the measured peak (the issue's 267%): MFU 100%, peak raised, a warning
+    m, raised, warning = checked_mfu(2.67 * peak / fpt, fpt, peak)
+    assert m == 1.0 and raised == pytest.approx(2.67 * peak)
+    assert "exceeds the measured peak" in warning and format_flops(peak) in warning
+    m, same, warning = checked_mfu(2.67 * peak / fpt, fpt, raised)  # from then on: <= 1, quiet
+    assert m == pytest.approx(1.0) and same == raised and warning == ""
+
+
+def test_bench_table_prints_the_peak_in_a_unit_that_fits():
+    from gptrain.commands.bench import format_table
+
+    row = dict(dtype="bfloat16", compile=False, world_size=1, micro_batch=16, accum=1)
+    row |= dict(step_ms=28_000.0, tok_per_s=146.0, peak_tflops=0.0024, mfu=1.0)
+    header, _, line = format_table([row]).splitlines()
+    cells = dict(zip(header.split("|"), line.split("|"), strict=True))
+    assert cells[" peak "].strip() == "2.4 GFLOP/s" and cells[" mfu "].strip() == "100.0%"
 
 
 def test_format_duration():
