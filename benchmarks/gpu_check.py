@@ -44,13 +44,13 @@ def worker(out: str, overrides: list[str]) -> None:
 
     import torch
 
-    from gptrain.checkpoint import dcp as sharded
+    from gptrain.checkpoint import manager
     from gptrain.commands.train import train
     from gptrain.config.sections import load_config
     from gptrain.distributed import runtime as dist
 
     save_s: list[float] = []
-    original = sharded.save_training
+    original = manager.save
 
     def timed_save(*args, **kwargs):
         t0 = time.perf_counter()
@@ -58,7 +58,7 @@ def worker(out: str, overrides: list[str]) -> None:
         save_s.append(time.perf_counter() - t0)
         return path
 
-    sharded.save_training = timed_save
+    manager.save = timed_save
     cfg = load_config(None, overrides)
     info = dist.DistInfo.from_env(cfg.train.device)
     dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
@@ -185,7 +185,7 @@ class Check:
     def kill_and_resume(self, n: int, steps: int) -> tuple[str, str, str]:
         """FSDP2 killed after its first checkpoint, started again: its final weights vs an
         uninterrupted run's (bit for bit on CPU; bf16 GPU kernels may differ in the last bits)."""
-        from gptrain.checkpoint import full as checkpoint
+        from gptrain.checkpoint import manager as checkpoint
 
         every = max(steps // 6, 1)
         args = ("dist.mode=fsdp", f"checkpoint.every={every}")

@@ -21,13 +21,13 @@ from gptrain.errors import UserError
 # subcommand -> module whose main(argv) -> int implements it
 COMMANDS = {
     "train": "gptrain.commands.train",
-    "prepare": "gptrain.data.prepare",
-    "sample": "gptrain.evals.generate",
+    "prepare": "gptrain.commands.prepare",
+    "sample": "gptrain.commands.sample",
     "bench": "gptrain.commands.bench",
-    "plot": "gptrain.logs.plot",
+    "plot": "gptrain.commands.plot",
     "export": "gptrain.commands.export",
     "eval": "gptrain.commands.eval",
-    "tokenizer": "gptrain.data.tokenizers",
+    "tokenizer": "gptrain.commands.tokenizer",
 }
 
 

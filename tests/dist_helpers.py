@@ -126,6 +126,7 @@ def _setup(overrides: list[str]):
 
     from gptrain.config.sections import accumulation_steps, load_config
     from gptrain.data.loader import Dataset, TrainLoader
+    from gptrain.distributed import parallelize
     from gptrain.distributed import runtime as dist
     from gptrain.training.build import build_model
     from gptrain.training.optim import build_optimizer
@@ -138,7 +139,9 @@ def _setup(overrides: list[str]):
     loader = TrainLoader(dataset, t.seq_len, t.micro_batch_size, info.rank, info.world_size, t.seed)
     torch.manual_seed(t.seed)
     model = build_model(cfg, dataset.vocab_size)
-    wrapped = dist.wrap_model(model, cfg.dist, info=info, compile=False, param_dtype=torch.float32)
+    wrapped = parallelize.wrap_model(
+        model, cfg.dist, info=info, compile=False, param_dtype=torch.float32
+    )
     optimizer = build_optimizer(model, cfg.optim, device_type="cpu")
     accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
     return cfg, info, model, wrapped, optimizer, loader, accum
@@ -162,6 +165,7 @@ def worker_comm(overrides: list[str], steps: int, sync_every_micro_step: bool) -
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    from gptrain.distributed import parallelize
     from gptrain.distributed import runtime as dist
     from gptrain.training.step import train_step
 
@@ -175,7 +179,7 @@ def worker_comm(overrides: list[str], steps: int, sync_every_micro_step: bool) -
 
     wrapped.register_comm_hook(None, counting_hook)
     if sync_every_micro_step:  # the control: what the counter sees when no_sync is not used
-        dist.grad_sync = lambda wrapped, sync: contextlib.nullcontext()
+        parallelize.grad_sync = lambda wrapped, sync: contextlib.nullcontext()
     scaler = __import__("torch").amp.GradScaler("cpu", enabled=False)
     record = {
         "accum": accum,

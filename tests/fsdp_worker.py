@@ -100,7 +100,7 @@ def async_save_keeps_the_save_step(data_dir: str, run_dir: str) -> dict:
     )
 
     from gptrain.checkpoint import dcp as sharded
-    from gptrain.checkpoint import full as checkpoint
+    from gptrain.checkpoint import manager as checkpoint
     from gptrain.checkpoint import retention
     from gptrain.config.sections import load_config
     from gptrain.data.loader import Dataset, TrainLoader
@@ -133,7 +133,7 @@ def async_save_keeps_the_save_step(data_dir: str, run_dir: str) -> dict:
         return write(self, *args, **kwargs)
 
     dcp.FileSystemWriter.write_data = held_back
-    pending = sharded.save_training(run_dir, 1, model, optimizer, loader, {"step": 1, "tokens": 0}, {}, info, background=True)  # fmt: skip
+    pending = checkpoint.save(run_dir, 1, model, optimizer, loader, {"step": 1, "tokens": 0}, {}, info, background=True)  # fmt: skip
     step()
     step()
     later = full()

@@ -177,7 +177,7 @@ def test_fsdp_trial_step_leaves_no_gradient_for_the_first_step(one_process_group
     unsharded gradient and adds it to the next reduced one: zero_grad does not reach it.)"""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from gptrain.distributed.runtime import grad_sync
+    from gptrain.distributed.parallelize import grad_sync
 
     torch.manual_seed(0)
     plain = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=32))

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from test_train import comparable
 
 from gptrain.checkpoint import dcp as sharded
-from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import manager as checkpoint
 from gptrain.commands.train import train
 from gptrain.config.sections import load_config
 from gptrain.distributed.runtime import DistInfo, cpu_cores

@@ -12,7 +12,7 @@ from conftest import SHARED
 from test_logs import tensorboard_hparams, tensorboard_scalars
 
 from gptrain.__main__ import main as cli
-from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import manager as checkpoint
 from gptrain.commands.train import train
 from gptrain.config.sections import load_config
 from gptrain.distributed.runtime import DistInfo

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gptrain.__main__ import main as cli
-from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import full
+from gptrain.checkpoint import manager as checkpoint
 from gptrain.commands.export import bpe_merges, hf_tokenizer_json
 from gptrain.data.tokenizers import ByteTokenizer, load_tokenizer
 from gptrain.evals.generate import generate_text
@@ -45,7 +46,7 @@ def _save_run(run_dir, tokenizer, seed: int = 0) -> GPT:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
     meta = {"model": asdict(cfg), "tokenizer": tokenizer.identity(), "step": 7}
-    checkpoint.save(run_dir, 7, model.state_dict(), meta=meta)
+    full.save(run_dir, 7, model.state_dict(), meta=meta)
     return model
 
 

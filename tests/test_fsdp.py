@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gptrain.config.sections import DistConfig, load_config
-from gptrain.distributed import failures
+from gptrain.distributed import failures, parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.model.gpt import GPT, GPTConfig
 from gptrain.training.build import build_model
@@ -25,7 +25,7 @@ CFG = GPTConfig(vocab_size=65, block_size=32, n_layer=3, n_head=2, n_embd=32, dr
 def _loss_and_grads(activation_checkpointing: str):
     torch.manual_seed(0)
     model = GPT(CFG)
-    dist.wrap_model(
+    parallelize.wrap_model(
         model,
         DistConfig(),
         info=dist.DistInfo(),
@@ -157,7 +157,7 @@ def test_async_saved_run_resumes_like_the_uninterrupted_one(dcp_run, byte_data, 
     import shutil
 
     from gptrain.checkpoint import dcp as sharded
-    from gptrain.checkpoint import full as checkpoint
+    from gptrain.checkpoint import manager as checkpoint
 
     def tensors(folder):
         meta = checkpoint.load_meta(folder)
@@ -192,7 +192,7 @@ def test_async_preemption_checkpoint_is_complete_at_exit_0(byte_data, tmp_path):
     no temporary folder is left."""
     import signal
 
-    from gptrain.checkpoint import full as checkpoint
+    from gptrain.checkpoint import manager as checkpoint
     from gptrain.checkpoint import retention
 
     run_dir = tmp_path / "run"
@@ -212,7 +212,7 @@ def test_async_preemption_checkpoint_is_complete_at_exit_0(byte_data, tmp_path):
 @pytest.mark.slow
 def test_sharded_checkpoint_layout_and_export_sample(dcp_run, tmp_path):
     from gptrain.checkpoint import dcp as sharded
-    from gptrain.checkpoint import full as checkpoint
+    from gptrain.checkpoint import manager as checkpoint
     from gptrain.model.hf import load_hf_folder
 
     folder = checkpoint.find(dcp_run)
@@ -240,7 +240,7 @@ def test_sharded_checkpoint_layout_and_export_sample(dcp_run, tmp_path):
 def test_damaged_shard_is_refused_before_anything_is_read(dcp_run, tmp_path):
     import shutil
 
-    from gptrain.checkpoint import full as checkpoint
+    from gptrain.checkpoint import manager as checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(dcp_run, run)
@@ -272,7 +272,7 @@ def test_crafted_dcp_index_runs_nothing(dcp_run, tmp_path):
     import pickle
     import shutil
 
-    from gptrain.checkpoint import full as checkpoint
+    from gptrain.checkpoint import manager as checkpoint
 
     class Payload:
         def __reduce__(self):

@@ -13,7 +13,8 @@ import torch
 from test_train import DEBUG, run, weights
 
 from gptrain.__main__ import main as cli
-from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import folder as ckpt_folder
+from gptrain.checkpoint import manager as checkpoint
 from gptrain.checkpoint import retention
 from gptrain.model.gpt import GPT
 from gptrain.training.guards import NonFinite, NonFiniteStop
@@ -125,14 +126,14 @@ def test_a_save_that_runs_out_of_disk_space_keeps_the_previous_checkpoint(
     byte_data, tmp_path, capsys, monkeypatch
 ):
     run_dir = tmp_path / "run"
-    write = checkpoint._fsync_write
+    write = ckpt_folder.fsync_write
 
     def full_disk(path, data):
         if ".tmp-step_00000004" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
         write(path, data)
 
-    monkeypatch.setattr(checkpoint, "_fsync_write", full_disk)
+    monkeypatch.setattr(ckpt_folder, "fsync_write", full_disk)
     assert cli_train(byte_data, run_dir, "train.max_steps=4", "checkpoint.every=2", *QUICK) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "No space left on device" in err[0] and "step_00000002" in err[0]

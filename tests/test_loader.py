@@ -112,6 +112,22 @@ def test_resume_exact_tensors(ds):
     assert a.epoch == b.epoch >= 1
 
 
+def test_skip_windows_moves_the_cursor_as_reading_would(ds):
+    """skip_windows(n) (what a rollback uses) lands where reading n windows would, prefetch
+    included; the cursor never moves back."""
+    read = TrainLoader(ds, 32, 4, 0, 1, 3)
+    for _ in range(3):
+        read.next_batch()
+    skipped = TrainLoader(ds, 32, 4, 0, 1, 3)
+    skipped.next_batch()  # a prefetch for window 4 is in flight: skipping must drop it
+    skipped.skip_windows(8)
+    assert skipped.state_dict() == read.state_dict()
+    for a, b in zip(read.next_batch(), skipped.next_batch(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        skipped.skip_windows(-1)
+
+
 @pytest.mark.parametrize("before,after", [(2, 1), (2, 3), (3, 2), (1, 2)])
 def test_resume_on_another_world_size(ds, before, after):
     full, _ = global_stream(ds, 60, 1, batch=2)

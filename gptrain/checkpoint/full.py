@@ -25,10 +25,7 @@ Which checkpoint to resume from (skipping damaged ones) and which to keep: gptra
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import pickle
 import shutil
 from pathlib import Path
 
@@ -36,36 +33,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from gptrain.checkpoint import folder
 from gptrain.errors import UserError, first_line
-
-STEP_PREFIX = "step_"
-FORMAT = 2  # 2: state.pt holds only tensors and plain data (loaded with weights_only=True)
-TOKENIZER_FILE = "tokenizer.json"  # a copy of a trained BPE tokenizer, so sampling needs no data
-
-
-def step_dir_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:08d}"
-
-
-def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def save(
@@ -86,7 +55,7 @@ def save(
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    name = step_dir_name(step)
+    name = folder.step_dir_name(step)
     tmp = root / f".tmp-{name}"
     bad = [k for k in model_state if k.startswith(("module.", "_orig_mod.")) or "._orig_mod." in k]
     if bad:
@@ -98,40 +67,14 @@ def save(
         if not isinstance(e, (OSError, RuntimeError)) and "Safetensor" not in type(e).__name__:
             raise
         kept = (
-            f"the previous checkpoint ({pointer(root)}) is intact"
-            if pointer(root)
+            f"the previous checkpoint ({folder.pointer(root)}) is intact"
+            if folder.pointer(root)
             else "no earlier checkpoint exists"
         )
         raise UserError(
             f"cannot write checkpoint {name} in {root} ({type(e).__name__}: {first_line(e)}); {kept}; free disk space and run the same command to resume"
         ) from None
-    return publish(root, name, tmp)
-
-
-def publish(root: Path, name: str, tmp: Path) -> Path:
-    """Rename the complete folder `tmp` to root/name and point `latest` at it (also used by
-    sharded.py for DCP checkpoints)."""
-    final = root / name
-    old = root / f".old-{name}"
-    if final.exists():  # re-saving a step (a run resumed from an earlier step): two quick renames
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_write(root / ".latest.tmp", (name + "\n").encode())
-    os.replace(root / ".latest.tmp", root / "latest")
-    _fsync_dir(root)  # the renames themselves survive a power loss
-    if old.exists():
-        shutil.rmtree(old)
-    return final
-
-
-def pointer(root: Path) -> str:
-    """The folder name `latest` holds ("" when there is none)."""
-    try:
-        return (root / "latest").read_text().strip()
-    except OSError:
-        return ""
+    return folder.publish(root, name, tmp)
 
 
 def _write_folder(tmp: Path, step: int, model_state: dict, meta: dict, state, tied) -> None:
@@ -150,95 +93,25 @@ def _write_folder(tmp: Path, step: int, model_state: dict, meta: dict, state, ti
         seen[key] = k
         tensors[k] = v.detach().to("cpu").contiguous()
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"tied": json.dumps(tied)})
-    _fsync_file(tmp / "model.safetensors")
+    folder.fsync_file(tmp / "model.safetensors")
     if state is not None:
         torch.save(state, tmp / "state.pt")
-        _fsync_file(tmp / "state.pt")
+        folder.fsync_file(tmp / "state.pt")
     tok_file = meta.get("tokenizer", {}).get("path")  # a trained BPE: keep it with the weights
     if tok_file and Path(tok_file).is_file():
-        _fsync_write(tmp / TOKENIZER_FILE, Path(tok_file).read_bytes())
-    files = {f.name: _file_record(f) for f in sorted(tmp.iterdir())}  # what meta.json vouches for
-    record = {"step": step, "format": FORMAT, **meta, "files": files}
-    _fsync_write(tmp / "meta.json", (json.dumps(record, indent=2) + "\n").encode())
-
-
-def _complete(path: Path) -> bool:
-    weights = ("model.safetensors", ".metadata")  # a full checkpoint, or DCP shards (sharded.py)
-    return (path / "meta.json").is_file() and any((path / w).is_file() for w in weights)
-
-
-def latest(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder of a run, or None when there is none."""
-    root = Path(run_dir) / "checkpoints"
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    path = root / name
-    if not path.exists() and _complete(root / f".old-{name}"):
-        # killed between the two renames of a re-save (see save): the previous copy is complete
-        return root / f".old-{name}"
-    if not _complete(path):
-        raise UserError(
-            f"{pointer} names {path.name}, which is incomplete or missing; delete {pointer} or restore the folder"
-        )
-    return path
-
-
-def find(run_dir: str | Path, step: int | None = None) -> Path:
-    """The checkpoint of `step`, or the latest one; a clear UserError when there is none."""
-    if step is None:
-        path = latest(run_dir)
-        if path is None:
-            raise UserError(
-                f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train first or pass --run with a trained run directory"
-            )
-        return path
-    path = Path(run_dir) / "checkpoints" / step_dir_name(step)
-    if not (path / "meta.json").is_file():
-        raise UserError(f"no checkpoint for step {step} in {Path(run_dir) / 'checkpoints'}")
-    return path
-
-
-def load_meta(ckpt_dir: str | Path) -> dict:
-    path = Path(ckpt_dir) / "meta.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read checkpoint metadata {path}: {e}") from None
-
-
-def _file_record(path: Path) -> dict:
-    with open(path, "rb") as f:
-        return {
-            "bytes": path.stat().st_size,
-            "sha256": hashlib.file_digest(f, "sha256").hexdigest(),
-        }
-
-
-def verify_file(path: Path, meta: dict) -> None:
-    """The file is the one meta.json recorded (size and sha256); a UserError names it if not.
-    (Checkpoints written before files were recorded are not checked.)"""
-    want = meta.get("files", {}).get(path.name)
-    if want is None:
-        return
-    got = _file_record(path) if path.is_file() else {"bytes": -1, "sha256": "missing"}
-    if got != want:
-        raise UserError(
-            f"checkpoint file {path} is damaged ({got['bytes']} bytes, sha256 {got['sha256'][:12]}; meta.json recorded {want['bytes']} bytes, {want['sha256'][:12]}); "
-            "restore it, or resume from an earlier checkpoint with --checkpoint.resume=STEP"
-        )
+        folder.fsync_write(tmp / folder.TOKENIZER_FILE, Path(tok_file).read_bytes())
+    files = {
+        f.name: folder.file_record(f) for f in sorted(tmp.iterdir())
+    }  # what meta.json vouches for
+    record = {"step": step, "format": folder.FORMAT, **meta, "files": files}
+    folder.fsync_write(tmp / "meta.json", (json.dumps(record, indent=2) + "\n").encode())
 
 
 def load_model_state(ckpt_dir: str | Path, device: str = "cpu") -> tuple[dict, dict]:
     """(model state dict, meta) of a checkpoint folder, its weights file verified first."""
     path = Path(ckpt_dir) / "model.safetensors"
-    meta = load_meta(ckpt_dir)
-    if meta.get("layout") == "dcp":  # sharded (an FSDP2 run): gathered into one full state dict
-        from gptrain.checkpoint.dcp import load_full_model_state
-
-        return load_full_model_state(ckpt_dir, meta, device), meta
-    verify_file(path, meta)
+    meta = folder.load_meta(ckpt_dir)
+    folder.verify_file(path, meta)
     try:
         state = load_file(str(path), device=device)
         with safe_open(str(path), framework="pt") as f:
@@ -250,36 +123,6 @@ def load_model_state(ckpt_dir: str | Path, device: str = "cpu") -> tuple[dict, d
     return state, meta
 
 
-def load_state(ckpt_dir: str | Path) -> dict:
-    """The training state (optimizer, data, train_state) of a checkpoint folder."""
-    path = Path(ckpt_dir) / "state.pt"
-    if not path.is_file():
-        raise UserError(
-            f"checkpoint {ckpt_dir} has no training state (state.pt); it can be sampled but not resumed"
-        )
-    meta = load_meta(ckpt_dir)
-    if meta.get("format", 1) < FORMAT:
-        raise UserError(
-            f"checkpoint {ckpt_dir} was written by an older gptrain whose state.pt holds pickled Python objects; it is not loaded (a checkpoint must be data, never code): sample or export it, or start a new run.dir"
-        )
-    verify_file(path, meta)
-    try:  # tensors and plain data only: nothing in the file can run code
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights only" not in str(e).lower():
-            raise UserError(
-                f"cannot read training state {path} ({first_line(e)}); resume from an earlier checkpoint with --checkpoint.resume=STEP"
-            ) from None
-        raise UserError(
-            f"refused {path}: it holds objects other than tensors and plain data (a checkpoint is data, never code; nothing from it was run); use a checkpoint you trained yourself"
-        ) from None
-    except Exception as e:  # truncated or damaged: zip and torch raise various types
-        raise UserError(
-            f"cannot read training state {path} ({type(e).__name__}: {first_line(e)}); "
-            "resume from an earlier checkpoint with --checkpoint.resume=STEP"
-        ) from None
-
-
 # --- training state: every stateful part, from any wrapping, through torch's public DCP API ---
 
 
@@ -287,56 +130,6 @@ def _options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
-
-
-def _rng_state(device: str) -> dict:
-    """This process's RNG states as tensors and plain data (loadable with weights_only=True)."""
-    import random
-
-    import numpy as np
-
-    version, words, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": [version, torch.tensor(words, dtype=torch.int64), gauss],
-        "numpy": [
-            name,
-            torch.from_numpy(keys.astype(np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        ],
-    }
-    if device.startswith("cuda"):
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: str) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    version, words, gauss = state["python"]
-    random.setstate((version, tuple(words.tolist()), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if device.startswith("cuda") and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def shared_parameters(model: torch.nn.Module) -> dict[str, str]:
-    """{alias name: first name} for parameters registered under several names (weight tying)."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
 
 
 def save_training(
@@ -354,17 +147,17 @@ def save_training(
 
     model_state = get_model_state_dict(model, options=_options())
     optim_state = get_optimizer_state_dict(model, optimizer, options=_options())
-    rngs = [_rng_state(info.device)]
+    rngs = [folder.rng_state(info.device)]
     if gdist.active():
         rngs = [None] * info.world_size
-        torch.distributed.all_gather_object(rngs, _rng_state(info.device))
+        torch.distributed.all_gather_object(rngs, folder.rng_state(info.device))
     state = {
         "optimizer": optim_state,
         "data": loader.state_dict(),
         "train_state": {**train_state, "world_size": info.world_size, "rng": rngs},
     }
 
-    tied = shared_parameters(model)
+    tied = folder.shared_parameters(model)
     # the main process writes; its collective is the barrier after the save, and a failed write
     # (a full disk) is one UserError on every rank
     return gdist.on_main(info, lambda: save(run_dir, step, model_state, meta, state, tied=tied))
@@ -385,7 +178,9 @@ def restore_training(ckpt_dir, model, optimizer, loader, info) -> dict:
 
     # only the main process reads the files (the other ranks may have no copy of the run directory)
     state, model_state = gdist.on_main(
-        info, lambda: (load_state(ckpt_dir), load_model_state(ckpt_dir)[0]), default=(None, {})
+        info,
+        lambda: (folder.load_state(ckpt_dir), load_model_state(ckpt_dir)[0]),
+        default=(None, {}),
     )
     optim_state = state["optimizer"] if state is not None else {}
     broadcast = gdist.active()
@@ -402,5 +197,5 @@ def restore_training(ckpt_dir, model, optimizer, loader, info) -> dict:
     loader.load_state_dict(small["data"])
     ts = small["train_state"]
     if ts.get("world_size") == info.world_size:
-        _set_rng_state(ts["rng"][info.rank], info.device)
+        folder.set_rng_state(ts["rng"][info.rank], info.device)
     return ts

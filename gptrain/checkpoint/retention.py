@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import folder
 from gptrain.errors import UserError, first_line
 
 
@@ -34,7 +34,7 @@ def resume_point(run_dir: str | Path, resume: str) -> tuple[Path | None, list[st
             )
         return None, []
     if resume not in ("auto", "latest"):
-        path = checkpoint.find(run_dir, int(resume))
+        path = folder.find(run_dir, int(resume))
         why = problem(path)
         if why:
             raise UserError(
@@ -54,15 +54,15 @@ def resume_point(run_dir: str | Path, resume: str) -> tuple[Path | None, list[st
             + "; restore one, or start a new --run.dir"
         )
     if resume == "latest":
-        checkpoint.find(run_dir)  # raises: there is none
+        folder.find(run_dir)  # raises: there is none
     return None, []
 
 
 def _step_of(name: str) -> int | None:
     """step_00000100 (or its moved copy .old-step_00000100) -> 100; None for other names."""
     name = name.removeprefix(".old-")
-    digits = name.removeprefix(checkpoint.STEP_PREFIX)
-    return int(digits) if name.startswith(checkpoint.STEP_PREFIX) and digits.isdigit() else None
+    digits = name.removeprefix(folder.STEP_PREFIX)
+    return int(digits) if name.startswith(folder.STEP_PREFIX) and digits.isdigit() else None
 
 
 def candidates(run_dir: str | Path) -> list[Path]:
@@ -75,9 +75,9 @@ def candidates(run_dir: str | Path) -> list[Path]:
     steps = {
         s: p
         for p in root.iterdir()
-        if (s := _step_of(p.name)) is not None and p.name.startswith(checkpoint.STEP_PREFIX)
+        if (s := _step_of(p.name)) is not None and p.name.startswith(folder.STEP_PREFIX)
     }
-    named = checkpoint.pointer(root)
+    named = folder.pointer(root)
     top = _step_of(named) if named else None
     if top is None:
         return [steps[s] for s in sorted(steps, reverse=True)]
@@ -109,7 +109,7 @@ def problem(path: Path) -> str | None:
         return "meta.json is malformed (no valid file records)"
     for name, want in files.items():
         try:
-            checkpoint.verify_file(path / name, meta)
+            folder.verify_file(path / name, meta)
         except UserError:
             got = (path / name).stat().st_size if (path / name).is_file() else -1
             same = "; its sha256 differs" if got == want["bytes"] else ""
@@ -129,7 +129,7 @@ def prune(run_dir: str | Path, newest: int, keep_last: int, keep_every: int) -> 
             os.replace(p, root / p.name.removeprefix(".old-"))
     steps = sorted(
         s
-        for p in root.glob(f"{checkpoint.STEP_PREFIX}*")
+        for p in root.glob(f"{folder.STEP_PREFIX}*")
         if (s := _step_of(p.name)) is not None and s <= newest
     )
     keep = set(steps[-keep_last:]) | {newest}
@@ -137,9 +137,9 @@ def prune(run_dir: str | Path, newest: int, keep_last: int, keep_every: int) -> 
     deleted = []
     for s in steps:
         if s not in keep:
-            gone = root / f".del-{checkpoint.step_dir_name(s)}"
-            os.replace(root / checkpoint.step_dir_name(s), gone)
-            deleted.append(checkpoint.step_dir_name(s))
+            gone = root / f".del-{folder.step_dir_name(s)}"
+            os.replace(root / folder.step_dir_name(s), gone)
+            deleted.append(folder.step_dir_name(s))
     for p in [*root.glob(".del-*"), *root.glob(".tmp-*"), *root.glob(".old-*")]:
         shutil.rmtree(p, ignore_errors=True)
     return deleted

@@ -23,14 +23,14 @@ import os
 import sys
 import time
 
-from gptrain.checkpoint import full as checkpoint
+from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.cli import parse_cli
 from gptrain.config.sections import Config, load_config
 from gptrain.distributed import failures, launch
 from gptrain.distributed import runtime as dist
 from gptrain.training import batch
 from gptrain.training import run as phases
-from gptrain.training.guards import NonFiniteStop, Preemption, roll_back
+from gptrain.training.guards import NonFiniteStop, Preemption
 from gptrain.training.optim import lr_at, set_lr
 from gptrain.training.step import train_step
 
@@ -52,7 +52,6 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     run.t_start = t_log = time.perf_counter()
     steps_since_log, last = 0, {}  # last: the latest logged metrics and eval results
     preemption, stopped_by = Preemption().install(), None
-    windows_per_step = t.total_batch_size // t.seq_len  # the data cursor's advance per step
     try:
         while run.step < t.max_steps:
             lr = lr_at(run.step, cfg.optim, t.max_steps)
@@ -78,10 +77,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
                 if bad_step is not None:  # rollback
                     phases.publish(run)  # a pending save is a checked step's: roll back to it
                     run.rollbacks += 1
-                    run.step, run.tokens = roll_back(
-                        bad_step, step, cfg.run.dir, run.model, run.optimizer, run.loader, info,
-                        windows_per_step, run.nonfinite, run.logger,
-                    )  # fmt: skip
+                    phases.roll_back(run, bad_step, step)
                     steps_since_log, t_log = 0, time.perf_counter()
                     if run.bar:
                         run.bar.n = run.step

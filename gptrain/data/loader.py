@@ -201,6 +201,14 @@ class TrainLoader:
             "windows_per_epoch": self.windows_per_epoch,
         }
 
+    def skip_windows(self, n: int) -> None:
+        """Move the cursor n >= 0 windows forward without reading them (a rollback skips the
+        batch that went wrong)."""
+        if n < 0:
+            raise ValueError(f"skip_windows({n}): the cursor only moves forward")
+        self.windows_consumed += n
+        self._ahead = None
+
     def load_state_dict(self, state: dict) -> None:
         for key in ("seq_len", "stride", "seed", "windows_per_epoch"):
             if key in state and int(state[key]) != getattr(self, key):

@@ -23,7 +23,6 @@ import itertools
 import math
 import multiprocessing
 import os
-import shlex
 import shutil
 import time
 from collections import deque
@@ -32,10 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gptrain.data.shards import dtype_for_vocab, verify_dir, write_manifest, write_shard
+from gptrain.cache import cache_dir, sha256_file
+from gptrain.data.shards import dtype_for_vocab, write_manifest, write_shard
 from gptrain.data.sources import BUILTIN_CORPORA, Document, expand_inputs, iter_documents
 from gptrain.data.tokenizers import load_tokenizer
-from gptrain.errors import ArgParser, UserError
+from gptrain.errors import UserError
 
 CHUNK_CHARS = 1 << 17
 
@@ -332,51 +332,29 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main(argv) -> int:
-    parser = ArgParser(
-        prog="gptrain prepare", description="Tokenize text into shards + manifest.json."
+def _tokenizer_dirname(tokenizer: str) -> str:
+    if tokenizer.startswith("bpe:"):
+        return "bpe-" + sha256_file(tokenizer[4:])[:12] if Path(tokenizer[4:]).is_file() else "bpe"
+    return tokenizer
+
+
+def resolve_data_dir(spec: str, tokenizer: str = "byte") -> Path:
+    """A prepared data folder for `spec`: a folder holding manifest.json, or a built-in corpus
+    name prepared once (atomically) into cache_dir()/data/<name>-<tokenizer>/."""
+    path = Path(spec)
+    if (path / "manifest.json").is_file():
+        return path
+    if spec in BUILTIN_CORPORA:
+        out = cache_dir() / "data" / f"{spec}-{_tokenizer_dirname(tokenizer)}"
+        if (out / "manifest.json").is_file():
+            return out
+        try:
+            prepare([spec], out, tokenizer=tokenizer, progress=False)
+        except UserError:
+            if not (out / "manifest.json").is_file():  # another process may have won the race
+                raise
+        return out
+    raise UserError(
+        f"data {spec!r} is neither a prepared folder (no manifest.json there; make one with "
+        f"`gptrain prepare --input ... --out DIR`) nor a built-in corpus ({', '.join(BUILTIN_CORPORA)})"
     )
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        help=f"files, folders, globs, hf:NAME, or built-in: {', '.join(BUILTIN_CORPORA)}",
-    )
-    parser.add_argument("--out", help="folder to create (must not exist or be empty)")
-    parser.add_argument("--tokenizer", default="byte", help="byte | gpt2 | bpe:PATH (default byte)")
-    parser.add_argument(
-        "--text-field", default="text", help="JSONL key / Parquet column of the text"
-    )
-    parser.add_argument("--val-fraction", type=float, default=0.1)
-    parser.add_argument(
-        "--val-tokens", type=int, default=None, help="validation size in tokens instead"
-    )
-    parser.add_argument("--shard-tokens", type=int, default=100_000_000)
-    parser.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8))
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument(
-        "--utf8-errors",
-        choices=["strict", "replace"],
-        default="replace",
-        help="replace (default): invalid UTF-8 becomes U+FFFD, counted, reported and recorded in the manifest; strict: refuse the input",
-    )
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument(
-        "--verify", metavar="DIR", help="check every shard hash of a prepared folder and exit"
-    )
-    args = parser.parse_args(argv)
-    if args.verify:
-        verify_dir(args.verify)
-        print(f"ok: {args.verify}: every shard matches its manifest hash")
-        return 0
-    if not args.input or not args.out:
-        raise UserError("gptrain prepare: --input and --out are required (or --verify DIR)")
-    t0 = time.perf_counter()
-    m = prepare(
-        args.input, args.out, args.tokenizer, args.val_fraction, args.val_tokens, args.shard_tokens,
-        args.workers, args.text_field, args.seed, not args.no_progress, args.utf8_errors,
-        command="gptrain prepare " + shlex.join(argv),
-    )  # fmt: skip
-    s = m["splits"]
-    print(f"wrote {args.out}: {s['train']['tokens']:,} train + {s['val']['tokens']:,} val tokens, "
-          f"{len(m['shards'])} shards, tokenizer {m['tokenizer']['name']}, {time.perf_counter() - t0:.1f}s")  # fmt: skip
-    return 0

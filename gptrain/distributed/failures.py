@@ -61,7 +61,7 @@ class DistFailure(RuntimeError):
 
 def _operation(e: BaseException) -> str:
     """The failed operation: the innermost gptrain source line the error passed through."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the gptrain package
     frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename.startswith(here)]
     if not frames:
         return "a collective"

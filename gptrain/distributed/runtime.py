@@ -13,7 +13,6 @@ the rendezvous store (gptrain/distributed/failures.py).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import hashlib
@@ -22,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from gptrain.config.sections import DistConfig
 from gptrain.distributed import failures
@@ -277,117 +275,3 @@ def check_options(cfg_dist: DistConfig, accum: int, info: DistInfo) -> None:
             "(static_graph + no_sync(): pytorch/pytorch#143580, crashes or stops syncing gradients); "
             "use dist.static_graph=false, or a total_batch_size with accumulation 1"
         )
-
-
-def wrap_model(
-    model: nn.Module,
-    cfg: DistConfig,
-    *,
-    info: DistInfo,
-    compile: bool,
-    param_dtype: torch.dtype,
-    activation_checkpointing: str = "none",
-) -> nn.Module:
-    """Apply activation checkpointing, compile and data parallelism from outside the model, always
-    in this order (torchtitan's; each step wraps what the previous one produced):
-
-    1. activation checkpointing (`blocks`): each transformer block's forward runs under the public
-       `torch.utils.checkpoint.checkpoint` (non-reentrant), so backward recomputes the block instead
-       of keeping its activations. The block's own `forward` is replaced on the instance: no wrapper
-       module, so state-dict keys stay plain (no `_checkpoint_wrapped_module.`).
-    2. torch.compile, in place (`Module.compile()`), so keys never gain `_orig_mod.`. Under FSDP each
-       block is compiled on its own, after checkpointing (the recompute is traced with the block)
-       and before `fully_shard`: FSDP2's hooks are `torch._dynamo.disable`d, so they run eagerly
-       around the compiled block (tested: no recompiles after the first step).
-    3. world size 1: nothing more. ddp: DistributedDataParallel. fsdp: FSDP2 `fully_shard` on every
-       block, then on the root (embeddings, final LayerNorm, tied head). With bf16 the blocks
-       all-gather and compute with bf16 parameters; the root keeps float32 parameters; and the
-       caller runs forward under the same autocast as DDP. So the residual stream, LayerNorms,
-       logits and loss stay float32 as under DDP + autocast, and matmuls see the same
-       bf16-rounded weights. Gradients are reduced in float32. LayerNorms: CUDA's autocast runs
-       layer_norm in float32, casting the bf16-gathered weights up (their master copies stay
-       float32). CPU autocast does not, and refuses bf16 LayerNorm parameters with a float32
-       input, so on the CPU each block's LayerNorms get a float32 group of their own; that
-       group's hooks sit inside the compiled block and break its graph (with activation
-       checkpointing, the whole block then runs eagerly), which is why CUDA does without it.
-
-    The model may be on the `meta` device under FSDP (see build.py: `to_empty` + init after this).
-    The returned module is what the training loop calls; save the original `model` (its keys are
-    the plain ones). The caller builds the optimizer after wrapping (FSDP replaces parameters).
-    """
-    blocks = list(model.transformer.h)
-    if activation_checkpointing == "blocks":
-        for block in blocks:
-            checkpoint_forward(block)
-    if cfg.mode == "fsdp" and info.world_size > 1:
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        except ImportError:
-            raise UserError(
-                f"dist.mode = 'fsdp' needs torch >= 2.6 (this is {torch.__version__}); upgrade torch or use dist.mode=ddp"
-            ) from None
-        low = None if param_dtype == torch.float32 else param_dtype
-        block_mp = MixedPrecisionPolicy(
-            param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False
-        )
-        fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-        for block in blocks:
-            if compile:
-                block.compile()
-            norms = [m for m in block.modules() if isinstance(m, nn.LayerNorm)]
-            if low is not None and norms and info.device_type == "cpu":  # see 3. above
-                fully_shard(norms, mp_policy=fp32)
-            fully_shard(block, mp_policy=block_mp)
-        fully_shard(model, mp_policy=fp32)
-        return model
-    if compile:
-        model.compile()
-    if info.world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        device_ids = [info.local_rank] if info.device_type == "cuda" else None
-        return DDP(
-            model,
-            device_ids=device_ids,
-            bucket_cap_mb=cfg.bucket_cap_mb,
-            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-            static_graph=cfg.static_graph,
-        )
-    return model
-
-
-def eager():
-    """A context in which modules compiled by wrap_model run their eager code: for calls whose
-    shapes change every time (the trial step per micro-batch, HellaSwag's batch lengths), each of
-    which would otherwise compile a graph of its own. torch < 2.6 has no set_stance: a no-op."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance else contextlib.nullcontext()
-
-
-def checkpoint_forward(module: nn.Module) -> None:
-    """Activation checkpointing of one module, in place: while gradients are recorded, its forward
-    runs under torch.utils.checkpoint (non-reentrant; RNG state restored for the recompute, so
-    dropout masks match), keeping only its inputs; eval and sampling (no_grad) run it plainly."""
-    from torch.utils.checkpoint import checkpoint
-
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    module.forward = forward
-
-
-def grad_sync(wrapped: nn.Module, sync: bool):
-    """Context for one micro-step: gradient communication only when `sync` (the last micro-step).
-
-    DDP: the public `no_sync()` context, entered around forward AND backward. FSDP2:
-    `set_requires_gradient_sync(sync)`. Single process: nothing to skip.
-    """
-    if hasattr(wrapped, "no_sync"):  # DistributedDataParallel
-        return contextlib.nullcontext() if sync else wrapped.no_sync()
-    if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDPModule
-        wrapped.set_requires_gradient_sync(sync)
-    return contextlib.nullcontext()

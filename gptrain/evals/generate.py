@@ -1,11 +1,7 @@
-"""Generate text from a trained run: `gptrain sample --run DIR --prompt TEXT`.
-
-    gptrain sample --run runs/debug --prompt "ROMEO:" --num-samples 3
-    gptrain sample --run runs/debug --prompt "" --temperature 0      # greedy, from end-of-text
-
-`generate_text` is also what the trainer calls for in-training samples; it accepts the model as
-the trainer holds it (plain, compiled in place, DDP, or FSDP2 on every rank in lockstep).
-"""
+"""Text generation: `load_model` (a run's checkpoint, full or sharded, with its tokenizer) and
+`generate_text`, which the trainer calls for in-training samples and `gptrain sample`
+(gptrain/commands/sample.py) for the command line. It accepts the model as the trainer holds it
+(plain, compiled in place, DDP, or FSDP2 on every rank in lockstep)."""
 
 from __future__ import annotations
 
@@ -14,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from gptrain.checkpoint import full as checkpoint
-from gptrain.errors import ArgParser, UserError
+from gptrain.checkpoint import manager as checkpoint
+from gptrain.errors import UserError
 from gptrain.model.gpt import GPT, GPTConfig
 
 
@@ -100,51 +96,3 @@ def load_model(run_dir, step: int | None = None, device="cpu") -> tuple[GPT, obj
         raise UserError(f"checkpoint {folder} does not match its model config: {e}") from None
     model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced both: re-tie
     return model.to(device).eval(), tokenizer, meta
-
-
-def _pick_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda, but no CUDA device is available; use --device cpu")
-    return name
-
-
-def main(argv: list[str]) -> int:
-    p = ArgParser(prog="gptrain sample", description=__doc__.splitlines()[0])
-    p.add_argument("--run", required=True, help="run directory (holds checkpoints/)")
-    p.add_argument("--prompt", default="", help="text to continue; empty starts from end-of-text")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=200)
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    a = p.parse_args(argv)
-    if a.temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
-    if a.top_k < 1:
-        raise UserError(f"--top-k must be >= 1, got {a.top_k}")
-    if a.num_samples < 1:
-        raise UserError(f"--num-samples must be >= 1, got {a.num_samples}")
-    if a.max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens must be >= 0, got {a.max_new_tokens}")
-    device = _pick_device(a.device)
-    model, tokenizer, meta = load_model(a.run, a.step, device)
-    texts = generate_text(
-        model,
-        tokenizer,
-        a.prompt,
-        max_new_tokens=a.max_new_tokens,
-        temperature=a.temperature,
-        top_k=a.top_k,
-        num_samples=a.num_samples,
-        seed=a.seed,
-        device=device,
-    )
-    for i, text in enumerate(texts):
-        if len(texts) > 1:
-            print(f"--- sample {i + 1}/{len(texts)} (step {meta['step']})")
-        print(a.prompt + text)
-    return 0

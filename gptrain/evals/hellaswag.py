@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptrain.data.sources import atomic_write_bytes, cache_dir, fetch_wheel, sha256_file
+from gptrain.cache import atomic_write_bytes, cache_dir, fetch_wheel, sha256_file
+from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
 
@@ -252,7 +253,10 @@ class HellaSwag:
             real = k < len(self.batches)
             T, idx = self.batches[k if real else -1]  # a spare rank re-runs the last, discarded
             x, y = self._tensors(T, idx, info.device)
-            with dist.eager(), autocast:  # per-token losses, chunk by chunk: no (B, T, V) logits
+            with (
+                parallelize.eager(),
+                autocast,
+            ):  # per-token losses, chunk by chunk: no (B, T, V) logits
                 _, per_token = model(x, y, reduction="none")  # (B, T) float32
             mask = y >= 0
             losses = per_token[mask].double()  # (M,)

@@ -22,6 +22,7 @@ import json
 import os
 from pathlib import Path
 
+from gptrain.config.sections import OptimConfig, TrainConfig
 from gptrain.errors import UserError
 
 WANDB_ID_FILE = "wandb_run_id"
@@ -213,10 +214,9 @@ class RunLogger(NullLogger):
             self.wandb.finish()
 
 
-def scorecard_hparams(cfg, arch, tokens: int, train_tokens: int) -> dict:
+def scorecard_hparams(t: TrainConfig, o: OptimConfig, arch, tokens: int, train_tokens: int) -> dict:
     """The settings the trackers' scorecard (TensorBoard hparams, W&B summary) records.
     Peak lr and weight decay are read here only."""
-    t, o = cfg.train, cfg.optim
     return {
         "optimizer": o.name,
         "peak_lr": o.lr,

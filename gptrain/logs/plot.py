@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gptrain.errors import ArgParser, UserError
+from gptrain.errors import UserError
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -69,12 +69,3 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     plt.close(fig)
     tmp.replace(out)
     return out
-
-
-def main(argv: list[str]) -> int:
-    parser = ArgParser(prog="gptrain plot", description="plot a run's loss curves")
-    parser.add_argument("--run", required=True, help="run directory (run.dir of gptrain train)")
-    parser.add_argument("--out", default=None, help="output PNG (default RUN/loss.png)")
-    args = parser.parse_args(argv)
-    print(plot_run(args.run, args.out))
-    return 0

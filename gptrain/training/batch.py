@@ -16,6 +16,7 @@ import gc
 import torch
 
 from gptrain.config.sections import TrainConfig, accumulation_steps
+from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
 
@@ -92,7 +93,7 @@ def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int,
             reserve = torch.empty(2 * numel, dtype=torch.float32, device=device)  # AdamW m and v
             gen = torch.Generator(device=device).manual_seed(0)
             x = torch.randint(0, vocab_size, (mb, seq_len + 1), device=device, generator=gen)
-            with dist.eager(), dist.grad_sync(wrapped, sync=fsdp), autocast:
+            with parallelize.eager(), parallelize.grad_sync(wrapped, sync=fsdp), autocast:
                 _, loss = wrapped(x[:, :-1], x[:, 1:])
             loss.backward()
             del loss, x, reserve

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from gptrain.config.sections import Config
+from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.host import keep_freed_memory
 from gptrain.errors import UserError
@@ -35,7 +36,7 @@ def build_model(cfg: Config, vocab_size: int, saved_arch: dict | None = None, me
 def materialise(model: torch.nn.Module, device: str) -> None:
     """Allocate a meta-device model's tensors (uninitialised) on `device`, keeping tied weights
     tied (`Module.to_empty` alone would give the tied head a storage of its own)."""
-    from gptrain.checkpoint.full import shared_parameters
+    from gptrain.checkpoint.manager import shared_parameters
 
     aliases = shared_parameters(model)
     model.to_empty(device=device)
@@ -96,7 +97,7 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     from gptrain.training.optim import build_optimizer
 
     torch.manual_seed(cfg.train.seed)
-    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
+    fsdp = parallelize.shards(cfg.dist, info)
     # pretrained weights (not resuming) are loaded whole on every rank, then sharded
     on_meta = fsdp and not (cfg.model.init_from and saved_arch is None)
     model = build_model(cfg, vocab_size, saved_arch, meta=on_meta)
@@ -112,7 +113,7 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
     if info.device_type == "cpu":
         keep_freed_memory()  # no page faults for every step's activations (host.py)
-    wrapped = dist.wrap_model(
+    wrapped = parallelize.wrap_model(
         model,
         cfg.dist,
         info=info,

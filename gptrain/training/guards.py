@@ -24,9 +24,6 @@ import threading
 
 import torch
 
-from gptrain.checkpoint import dcp as sharded
-from gptrain.checkpoint import full as checkpoint
-from gptrain.checkpoint import retention
 from gptrain.distributed import runtime as dist
 
 
@@ -137,25 +134,3 @@ class NonFinite:
 
     def set_count(self, n: int) -> None:
         self.skipped.fill_(n)
-
-
-def roll_back(bad_step, step, run_dir, model, optimizer, loader, info, windows_per_step, nonfinite, logger) -> tuple[int, int]:  # fmt: skip
-    """train.nonfinite = rollback (collective): reload the newest valid checkpoint and move the data
-    cursor past the batch of `bad_step` (the steps since the checkpoint are trained again on the
-    data that follows it). Returns the checkpoint's (step, tokens)."""
-    cursor = loader.state_dict()["windows_consumed"] - (step - bad_step) * windows_per_step
-    ckpt, _ = dist.from_main(info, lambda: retention.resume_point(run_dir, "auto"))
-    if ckpt is None:
-        raise NonFiniteStop(
-            f"step {bad_step}: the loss or gradient norm is not finite and train.nonfinite = rollback, but there is no checkpoint to roll back to yet; "
-            "lower optim.lr or save earlier (checkpoint.every)"
-        )
-    meta = dist.from_main(info, lambda: checkpoint.load_meta(ckpt))
-    ts = sharded.restore_training(ckpt, meta, model, optimizer, loader, info)
-    nonfinite.set_count(ts.get("skipped", 0))
-    loader.load_state_dict({**loader.state_dict(), "windows_consumed": cursor})
-    logger.rewind(ts["step"])  # the steps after the checkpoint are logged again
-    logger.text(
-        f"step {bad_step}: non-finite loss or gradient norm; rolled back to {ckpt.name}, data cursor moved past step {bad_step}'s batch"
-    )
-    return ts["step"], ts["tokens"]

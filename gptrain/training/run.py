@@ -19,18 +19,21 @@ import math
 import os
 import sys
 import time
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from gptrain.checkpoint import dcp as sharded
-from gptrain.checkpoint import full as checkpoint
-from gptrain.checkpoint import retention
+from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.sections import Config, to_toml
+from gptrain.data.loader import Dataset, TrainLoader
+from gptrain.data.prepare import resolve_data_dir
+from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
-from gptrain.evals.hellaswag import task_for
+from gptrain.evals.hellaswag import HellaSwag, task_for
 from gptrain.evals.val import evaluate
 from gptrain.logs.loggers import (
     NullLogger,
@@ -43,7 +46,7 @@ from gptrain.logs.loggers import (
 from gptrain.logs.mfu import format_duration, measure_peak_flops, mfu, synchronize
 from gptrain.training import batch
 from gptrain.training.build import build_training
-from gptrain.training.guards import NonFinite
+from gptrain.training.guards import NonFinite, NonFiniteStop
 
 EVAL_KEYS = ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm")
 
@@ -54,23 +57,23 @@ class Run:
 
     cfg: Config
     info: dist.DistInfo
-    dataset: Any
+    dataset: Dataset
     model: torch.nn.Module  # the plain model: its keys are the checkpoint's
     wrapped: torch.nn.Module  # what forward runs through (compile, DDP or FSDP2 around the model)
-    optimizer: Any
-    scaler: Any
-    autocast: Any
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler  # active only for float16
+    autocast: AbstractContextManager
     ptdtype: torch.dtype
     mb: int
     accum: int
-    loader: Any
+    loader: TrainLoader
     byte_lengths: torch.Tensor
     nonfinite: NonFinite
-    hellaswag: Any
-    logger: Any
-    bar: Any  # the progress bar (main process, log.progress) or None
+    hellaswag: HellaSwag | None
+    logger: NullLogger  # a RunLogger on the main process
+    bar: tqdm | None  # the progress bar (main process, log.progress)
     meta: dict  # what every checkpoint's meta.json records besides the counters
-    ckpt: Any  # the checkpoint resumed from, or None
+    ckpt: Path | None  # the checkpoint resumed from
     peak: float = 1.0  # measured peak FLOP/s of this device (main process)
     flops_per_token: float = 0.0
     step: int = 0
@@ -79,7 +82,7 @@ class Run:
     rollbacks: int = 0
     best: dict = field(default_factory=dict)
     t_start: float = 0.0  # when this attempt's loop started
-    pending: Any = None  # a checkpoint.async save not yet published
+    pending: checkpoint.Pending | None = None  # a checkpoint.async save not yet published
 
     def close(self) -> None:
         if self.bar:
@@ -89,15 +92,12 @@ class Run:
 
 def start(cfg: Config, info: dist.DistInfo) -> Run:
     """Everything before the first step; every input error surfaces here, before any training."""
-    from gptrain.data.loader import Dataset, TrainLoader
-    from gptrain.data.sources import resolve_data_dir
-
     t, run_dir = cfg.train, cfg.run.dir
     dist.check_same_config(to_toml(cfg), info)
     require_packages(cfg.log.tensorboard, cfg.log.wandb)
     mb, accum = batch.plan(t, info.world_size)  # a batch that cannot divide fails here
     dist.check_options(cfg.dist, accum, info)
-    sharded.check_async(cfg.checkpoint.async_, cfg.dist.mode, info)  # full checkpoints: refused
+    checkpoint.check_async(cfg.checkpoint.async_, cfg.dist, info)  # full checkpoints: refused
 
     # data: a prepared folder, or a built-in corpus prepared once per machine
     data_dir = dist.local_main_first(
@@ -108,7 +108,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
 
     # resume: from the latest checkpoint of this run directory when there is one
     ckpt, skipped_ckpts = dist.from_main(
-        info, lambda: retention.resume_point(run_dir, cfg.checkpoint.resume)
+        info, lambda: checkpoint.resume_point(run_dir, cfg.checkpoint.resume)
     )
     saved = {}  # only the main process reads the run directory (it alone writes it)
     if ckpt is not None:
@@ -135,7 +135,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
         stride=cfg.data.stride or None,
         device=info.device,
     )
-    fsdp = cfg.dist.mode == "fsdp" and info.world_size > 1
+    fsdp = parallelize.shards(cfg.dist, info)
     run = Run(
         cfg=cfg,
         info=info,
@@ -173,7 +173,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
         best={k: saved[k] for k in ("best_val_loss", "best_val_step") if k in saved},
     )
     if ckpt is not None:
-        ts = sharded.restore_training(ckpt, saved, model, optimizer, loader, info)
+        ts = checkpoint.restore(ckpt, saved, model, optimizer, loader, info)
         run.step, run.tokens = ts["step"], ts["tokens"]
         run.elapsed_before, run.rollbacks = ts.get("elapsed_s", 0.0), ts.get("rollbacks", 0)
         run.nonfinite.set_count(ts.get("skipped", 0))
@@ -210,8 +210,6 @@ def _start_logging(run: Run, skipped_ckpts: list[str]) -> None:
             run.best = best_val(cfg.run.dir, run.best)
         (open(os.path.join(cfg.run.dir, "config.toml"), "w")).write(to_toml(cfg))
         if cfg.log.progress:
-            from tqdm import tqdm
-
             run.bar = tqdm(
                 total=t.max_steps,
                 initial=run.step,
@@ -286,7 +284,7 @@ def publish(run: Run):
         return None
     path = done.wait()
     c = run.cfg.checkpoint
-    dist.on_main(run.info, lambda: retention.prune(run.cfg.run.dir, done.step, c.keep_last, c.keep_every))  # fmt: skip
+    dist.on_main(run.info, lambda: checkpoint.prune(run.cfg.run.dir, done.step, c.keep_last, c.keep_every))  # fmt: skip
     run.logger.text(f"step {done.step}: checkpoint {path}")
     return path
 
@@ -301,7 +299,7 @@ def save(run: Run, wait: bool):
         "skipped": run.nonfinite.count(),
         "rollbacks": run.rollbacks,
     }
-    run.pending = sharded.save_training(  # DCP shards under FSDP2, else a full checkpoint
+    run.pending = checkpoint.save(  # DCP shards under FSDP2, else a full checkpoint
         run.cfg.run.dir, run.step, run.model, run.optimizer, run.loader, state,
         {**run.meta, "tokens": run.tokens, **run.best}, run.info, background=run.cfg.checkpoint.async_,
     )  # fmt: skip
@@ -374,7 +372,9 @@ def finish(run: Run, last: dict) -> dict:
         plot_path = plot_run(run_dir)
         train_tokens = sum(len(s) for s in run.dataset.shards["train"])
         run.logger.scorecard(
-            scorecard_hparams(run.cfg, run.model.config, run.tokens, train_tokens),
+            scorecard_hparams(
+                run.cfg.train, run.cfg.optim, run.model.config, run.tokens, train_tokens
+            ),
             scorecard_metrics(summary),
         )
         vals = f", val loss {val['val_loss']:.4f}, val bpb {val['val_bpb']:.4f}" if "val_loss" in val else ""  # fmt: skip
@@ -383,3 +383,26 @@ def finish(run: Run, last: dict) -> dict:
             f"{vals}; {tok_per_s:,.0f} tok/s, MFU {mfu_now:.1%}; plot {plot_path}"
         )
     return summary
+
+
+def roll_back(run: Run, bad_step: int, step: int) -> None:
+    """train.nonfinite = rollback (collective): reload the newest valid checkpoint and move the data
+    cursor past the batch of `bad_step` (the steps since the checkpoint are trained again on the
+    data that follows it); run.step and run.tokens become the checkpoint's."""
+    per_step = run.cfg.train.total_batch_size // run.cfg.train.seq_len  # windows per step
+    past_bad = run.loader.windows_consumed - (step - bad_step) * per_step
+    ckpt, _ = dist.from_main(run.info, lambda: checkpoint.resume_point(run.cfg.run.dir, "auto"))
+    if ckpt is None:
+        raise NonFiniteStop(
+            f"step {bad_step}: the loss or gradient norm is not finite and train.nonfinite = rollback, but there is no checkpoint to roll back to yet; "
+            "lower optim.lr or save earlier (checkpoint.every)"
+        )
+    meta = dist.from_main(run.info, lambda: checkpoint.load_meta(ckpt))
+    ts = checkpoint.restore(ckpt, meta, run.model, run.optimizer, run.loader, run.info)
+    run.nonfinite.set_count(ts.get("skipped", 0))
+    run.loader.skip_windows(past_bad - run.loader.windows_consumed)
+    run.logger.rewind(ts["step"])  # the steps after the checkpoint are logged again
+    run.logger.text(
+        f"step {bad_step}: non-finite loss or gradient norm; rolled back to {ckpt.name}, data cursor moved past step {bad_step}'s batch"
+    )
+    run.step, run.tokens = ts["step"], ts["tokens"]

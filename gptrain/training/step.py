@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from gptrain.distributed import runtime as dist
+from gptrain.distributed import parallelize
 from gptrain.training.guards import NonFinite
 
 
@@ -35,7 +35,7 @@ def train_step(
     loss_sum = None
     for micro in range(accum):
         x, y = next_batch()
-        with dist.grad_sync(wrapped, sync=sync and micro == accum - 1):
+        with parallelize.grad_sync(wrapped, sync=sync and micro == accum - 1):
             with autocast:
                 _, loss = wrapped(x, y)
             loss = loss / accum  # this micro-batch's share of the big batch's mean

@@ -1,0 +1,237 @@
+"""The checkpoint folder contract shared by both backends (full.py, dcp.py), which never import
+each other: one folder per step, written into `.tmp-step_XXXXXXXX`, published by a rename and then
+named in `latest`; every file's size and sha256 in meta.json, checked before it is read; state.pt
+(tensors and plain data, read with weights_only=True); RNG states; tied-parameter aliases.
+
+Layout (a contract, see docs/outputs.md):
+
+    run.dir/checkpoints/
+      step_00000100/
+        model.safetensors   unwrapped model weights (no `module.` / `_orig_mod.` prefixes);
+                            FSDP2 runs instead: .metadata + __RANK_0.distcp (DCP shards)
+        state.pt            {optimizer, data, train_state (step, RNG of every rank, ...)}
+        meta.json           readable: step, model config, tokenizer identity, tokens seen, ...,
+                            and the size + sha256 of every other file (checked when loaded)
+        tokenizer.json      only for a trained BPE tokenizer: a copy, so the folder stands alone
+      latest                name of the newest complete checkpoint folder
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+
+from gptrain.errors import UserError, first_line
+
+STEP_PREFIX = "step_"
+
+
+FORMAT = 2  # 2: state.pt holds only tensors and plain data (loaded with weights_only=True)
+
+
+TOKENIZER_FILE = "tokenizer.json"  # a copy of a trained BPE tokenizer, so sampling needs no data
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    if os.name == "posix":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def publish(root: Path, name: str, tmp: Path) -> Path:
+    """Rename the complete folder `tmp` to root/name and point `latest` at it (also used by
+    sharded.py for DCP checkpoints)."""
+    final = root / name
+    old = root / f".old-{name}"
+    if final.exists():  # re-saving a step (a run resumed from an earlier step): two quick renames
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_write(root / ".latest.tmp", (name + "\n").encode())
+    os.replace(root / ".latest.tmp", root / "latest")
+    fsync_dir(root)  # the renames themselves survive a power loss
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def pointer(root: Path) -> str:
+    """The folder name `latest` holds ("" when there is none)."""
+    try:
+        return (root / "latest").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _complete(path: Path) -> bool:
+    weights = ("model.safetensors", ".metadata")  # a full checkpoint, or DCP shards (sharded.py)
+    return (path / "meta.json").is_file() and any((path / w).is_file() for w in weights)
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint folder of a run, or None when there is none."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    path = root / name
+    if not path.exists() and _complete(root / f".old-{name}"):
+        # killed between the two renames of a re-save (see save): the previous copy is complete
+        return root / f".old-{name}"
+    if not _complete(path):
+        raise UserError(
+            f"{pointer} names {path.name}, which is incomplete or missing; delete {pointer} or restore the folder"
+        )
+    return path
+
+
+def find(run_dir: str | Path, step: int | None = None) -> Path:
+    """The checkpoint of `step`, or the latest one; a clear UserError when there is none."""
+    if step is None:
+        path = latest(run_dir)
+        if path is None:
+            raise UserError(
+                f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train first or pass --run with a trained run directory"
+            )
+        return path
+    path = Path(run_dir) / "checkpoints" / step_dir_name(step)
+    if not (path / "meta.json").is_file():
+        raise UserError(f"no checkpoint for step {step} in {Path(run_dir) / 'checkpoints'}")
+    return path
+
+
+def load_meta(ckpt_dir: str | Path) -> dict:
+    path = Path(ckpt_dir) / "meta.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read checkpoint metadata {path}: {e}") from None
+
+
+def file_record(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return {
+            "bytes": path.stat().st_size,
+            "sha256": hashlib.file_digest(f, "sha256").hexdigest(),
+        }
+
+
+def verify_file(path: Path, meta: dict) -> None:
+    """The file is the one meta.json recorded (size and sha256); a UserError names it if not.
+    (Checkpoints written before files were recorded are not checked.)"""
+    want = meta.get("files", {}).get(path.name)
+    if want is None:
+        return
+    got = file_record(path) if path.is_file() else {"bytes": -1, "sha256": "missing"}
+    if got != want:
+        raise UserError(
+            f"checkpoint file {path} is damaged ({got['bytes']} bytes, sha256 {got['sha256'][:12]}; meta.json recorded {want['bytes']} bytes, {want['sha256'][:12]}); "
+            "restore it, or resume from an earlier checkpoint with --checkpoint.resume=STEP"
+        )
+
+
+def load_state(ckpt_dir: str | Path) -> dict:
+    """The training state (optimizer, data, train_state) of a checkpoint folder."""
+    path = Path(ckpt_dir) / "state.pt"
+    if not path.is_file():
+        raise UserError(
+            f"checkpoint {ckpt_dir} has no training state (state.pt); it can be sampled but not resumed"
+        )
+    meta = load_meta(ckpt_dir)
+    if meta.get("format", 1) < FORMAT:
+        raise UserError(
+            f"checkpoint {ckpt_dir} was written by an older gptrain whose state.pt holds pickled Python objects; it is not loaded (a checkpoint must be data, never code): sample or export it, or start a new run.dir"
+        )
+    verify_file(path, meta)
+    try:  # tensors and plain data only: nothing in the file can run code
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise UserError(
+                f"cannot read training state {path} ({first_line(e)}); resume from an earlier checkpoint with --checkpoint.resume=STEP"
+            ) from None
+        raise UserError(
+            f"refused {path}: it holds objects other than tensors and plain data (a checkpoint is data, never code; nothing from it was run); use a checkpoint you trained yourself"
+        ) from None
+    except Exception as e:  # truncated or damaged: zip and torch raise various types
+        raise UserError(
+            f"cannot read training state {path} ({type(e).__name__}: {first_line(e)}); "
+            "resume from an earlier checkpoint with --checkpoint.resume=STEP"
+        ) from None
+
+
+def rng_state(device: str) -> dict:
+    """This process's RNG states as tensors and plain data (loadable with weights_only=True)."""
+    import random
+
+    import numpy as np
+
+    version, words, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": [version, torch.tensor(words, dtype=torch.int64), gauss],
+        "numpy": [
+            name,
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
+    }
+    if device.startswith("cuda"):
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: str) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words.tolist()), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if device.startswith("cuda") and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def shared_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """{alias name: first name} for parameters registered under several names (weight tying)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases

@@ -1,0 +1,83 @@
+"""The one entry point for checkpoints: the training loop, the guards and the commands call this
+module, never a backend. It picks the backend: sharded (DCP, dcp.py) when the model's parameters
+are sharded (distributed.parallelize.is_sharded, the one answer to "is this run sharded?"), else a
+full checkpoint written by the main process (full.py); on load, the folder's meta.json says which.
+
+    pending = manager.save(run_dir, step, model, optimizer, loader, train_state, meta, info)
+    pending.wait()                                   # every rank; publishes it
+    ckpt, skipped = manager.resume_point(run_dir, "auto")
+    train_state = manager.restore(ckpt, manager.load_meta(ckpt), model, optimizer, loader, info)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gptrain.checkpoint import dcp, folder, full, retention
+from gptrain.config.sections import DistConfig
+from gptrain.distributed.parallelize import is_sharded, shards
+from gptrain.errors import UserError
+
+# the folder contract's read-only helpers and the retention rules, re-exported so that callers
+# need this module only
+find = folder.find
+latest = folder.latest
+load_meta = folder.load_meta
+load_state = folder.load_state
+pointer = folder.pointer
+shared_parameters = folder.shared_parameters
+FORMAT = folder.FORMAT
+TOKENIZER_FILE = folder.TOKENIZER_FILE
+resume_point = retention.resume_point
+prune = retention.prune
+problem = retention.problem
+
+
+class Pending:
+    """A checkpoint that is not published yet: `wait()` (collective, once) completes it (every
+    rank's files written and hashed, meta.json, the rename into place, `latest`) and returns its
+    folder on the main process. Under checkpoint.async the shards are being written meanwhile."""
+
+    def __init__(self, step: int, finish) -> None:
+        self.step, self._finish = step, finish
+
+    def wait(self) -> Path | None:
+        return self._finish()
+
+
+def check_async(requested: bool, cfg: DistConfig, info) -> None:
+    """checkpoint.async = true where this run writes full checkpoints (one process under
+    dist.mode = fsdp: nothing is sharded; validate.py refuses ddp) is one line, before anything
+    is written."""
+    if requested and not shards(cfg, info):
+        raise UserError(
+            f"checkpoint.async = true but this run ({info.world_size} process) writes full checkpoints: background saving applies only to the sharded (DCP) checkpoints of FSDP2 runs with 2+ processes; use checkpoint.async=false"
+        )
+
+
+def save(run_dir, step, model, optimizer, loader, train_state, meta, info, background=False):  # fmt: skip
+    """Collective: a checkpoint of every stateful part; sharded (DCP) for an FSDP2 model, else a
+    full one. Returns a Pending save; call its wait() (every rank) to publish it. background
+    (checkpoint.async, sharded only): written from a thread while training goes on."""
+    if is_sharded(model):
+        args = (run_dir, step, model, optimizer, loader, train_state, meta, info)
+        return Pending(step, dcp.save_training(*args, background=background))
+    path = full.save_training(run_dir, step, model, optimizer, loader, train_state, meta, info)
+    return Pending(step, lambda: path)
+
+
+def restore(ckpt_dir, meta: dict, model, optimizer, loader, info) -> dict:
+    """Collective: load any checkpoint (full or DCP, written on any world size) into (possibly
+    wrapped) parts. Returns the saved train_state."""
+    if meta.get("layout") == dcp.LAYOUT:
+        return dcp.restore_training(ckpt_dir, meta, model, optimizer, loader, info)
+    return full.restore_training(ckpt_dir, model, optimizer, loader, info)
+
+
+def load_model_state(ckpt_dir: str | Path, device: str = "cpu") -> tuple[dict, dict]:
+    """(full model state dict, meta) of any checkpoint folder, every file verified first (a DCP
+    one is gathered on this process): what `sample` and `export` read."""
+    meta = folder.load_meta(ckpt_dir)
+    if meta.get("layout") == dcp.LAYOUT:
+        return dcp.load_full_model_state(ckpt_dir, meta, device), meta
+    return full.load_model_state(ckpt_dir, device)

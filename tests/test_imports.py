@@ -1,0 +1,156 @@
+"""The package's imports run one way (docs/architecture.md): read with `ast`, every import of a
+gptrain module (top-level or inside a function) must point to its own folder or to a layer below,
+and no module may reach itself through a chain of imports (no circles)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gptrain"
+
+# The rules, in one table: layer -> the folders (or ground files) in it. A module may import from
+# its own folder and from any lower layer; never from its own layer's other folders or from above.
+LAYERS = [
+    {"errors", "cache"},  # ground files
+    {"config"},
+    {"model", "data", "logs"},
+    {"distributed"},
+    {"checkpoint"},
+    {"evals"},
+    {"training"},
+    {"commands", "__main__"},
+]
+# model/ is torch only: of gptrain it may import only itself and the ground file errors.py.
+MODEL_MAY_IMPORT = {"model", "errors"}
+
+
+def unit(module: str) -> str:
+    """gptrain.data.loader -> data; gptrain.errors -> errors; gptrain -> '' (the package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer(u: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if u in names:
+            return i
+    raise AssertionError(f"{u!r} is in no layer of the table in tests/test_imports.py")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every gptrain module `path` imports ('from gptrain.x import y' counts y when it is a
+    module, else gptrain.x)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("gptrain")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gptrain"):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                is_module = (PACKAGE.parent / (sub.replace(".", "/") + ".py")).is_file() or (
+                    PACKAGE.parent / sub.replace(".", "/") / "__init__.py"
+                ).is_file()
+                found.add(sub if is_module else node.module)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_import_points_down_or_within_its_folder():
+    wrong = []
+    for mod, deps in graph().items():
+        me = unit(mod)
+        if not me:
+            continue  # gptrain/__init__.py
+        for dep in deps:
+            them = unit(dep)
+            if not them or them == me:
+                continue
+            if me == "model" and them not in MODEL_MAY_IMPORT:
+                wrong.append(f"{mod} -> {dep} (model/ imports only torch and gptrain.errors)")
+            elif layer(them) >= layer(me):
+                wrong.append(
+                    f"{mod} -> {dep} (layer {layer(me)} may not import layer {layer(them)})"
+                )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circles():
+    g = graph()
+    circles = []
+
+    def visit(mod, path, on_path, done):
+        if mod in on_path:
+            circles.append(" -> ".join(path[path.index(mod) :] + [mod]))
+            return
+        if mod in done:
+            return
+        on_path.add(mod)
+        for dep in sorted(g.get(mod, ())):
+            if dep in g:
+                visit(dep, path + [mod], on_path, done)
+        on_path.discard(mod)
+        done.add(mod)
+
+    done: set[str] = set()
+    for mod in g:
+        visit(mod, [], set(), done)
+    assert not circles, "\n".join(circles)
+
+
+def test_the_checker_catches_what_it_forbids(tmp_path, monkeypatch):
+    """The rules are not vacuous: a model module importing checkpoint, and a circle, are found."""
+    g = {
+        "gptrain.model.gpt": {"gptrain.checkpoint.manager"},
+        "gptrain.data.a": {"gptrain.data.b"},
+        "gptrain.data.b": {"gptrain.data.a"},
+    }
+    monkeypatch.setattr(__import__(__name__), "graph", lambda: g)
+    for check in (test_every_import_points_down_or_within_its_folder, test_no_import_circles):
+        try:
+            check()
+        except AssertionError:
+            continue
+        raise AssertionError(f"{check.__name__} accepted a forbidden graph")
+
+
+def test_commands_are_imported_only_by_main():
+    for mod, deps in graph().items():
+        if unit(mod) not in ("commands", "__main__"):
+            assert not any(unit(d) == "commands" for d in deps), mod
+
+
+def test_only_training_and_commands_see_the_whole_config():
+    """Every other component receives its own section (DistConfig, OptimConfig, ...)."""
+    for p in PACKAGE.rglob("*.py"):
+        if unit(module_name(p)) in ("training", "commands", "config"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "gptrain.config.sections":
+                names = {a.name for a in node.names}
+                assert not names & {"Config", "load_config"}, f"{module_name(p)} imports {names}"
+
+
+def test_outside_checkpoint_only_its_manager_is_used():
+    """The loop, the guards, evals and the commands reach checkpoints through checkpoint.manager
+    only (the backends and the folder contract stay behind it)."""
+    for mod, deps in graph().items():
+        if unit(mod) != "checkpoint":
+            wrong = {
+                d for d in deps if unit(d) == "checkpoint" and d != "gptrain.checkpoint.manager"
+            }
+            assert not wrong, (mod, wrong)
+
+
+def test_no_module_over_400_lines_and_no_utils():
+    for p in PACKAGE.rglob("*.py"):
+        assert p.name != "utils.py"
+        lines = len(p.read_text().splitlines())
+        assert lines <= 420, f"{p.relative_to(PACKAGE.parent)}: {lines} lines"
