@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gptrain.checkpoint import dcp, folder, full, retention
 from gptrain.config.sections import DistConfig
+from gptrain.distributed import faults
 from gptrain.distributed.parallelize import is_sharded, shards
 from gptrain.errors import UserError
 
@@ -59,6 +60,7 @@ def save(run_dir, step, model, optimizer, loader, train_state, meta, info, backg
     """Collective: a checkpoint of every stateful part; sharded (DCP) for an FSDP2 model, else a
     full one. Returns a Pending save; call its wait() (every rank) to publish it. background
     (checkpoint.async, sharded only): written from a thread while training goes on."""
+    faults.stall_save(step)  # GPTRAIN_FAULT=stall_save@STEP: the write blocks (a stuck disk)
     if is_sharded(model):
         args = (run_dir, step, model, optimizer, loader, train_state, meta, info)
         return Pending(step, dcp.save_training(*args, background=background))

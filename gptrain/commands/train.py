@@ -26,7 +26,7 @@ import time
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.cli import parse_cli
 from gptrain.config.sections import Config, load_config
-from gptrain.distributed import failures, launch
+from gptrain.distributed import failures, faults, launch
 from gptrain.distributed import runtime as dist
 from gptrain.training import batch
 from gptrain.training import run as phases
@@ -56,10 +56,11 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         while run.step < t.max_steps:
             lr = lr_at(run.step, cfg.optim, t.max_steps)
             set_lr(run.optimizer, lr, cfg.optim)
-            loss_sum, grad_norm = train_step(
-                run.wrapped, run.model, run.optimizer, run.scaler, run.loader.next_batch,
-                run.accum, run.autocast, cfg.optim.grad_clip, guard=run.nonfinite, step=run.step + 1,
-            )  # fmt: skip
+            with faults.in_step(run.step + 1, run.model):  # GPTRAIN_FAULT drills; else nothing
+                loss_sum, grad_norm = train_step(
+                    run.wrapped, run.model, run.optimizer, run.scaler, run.loader.next_batch,
+                    run.accum, run.autocast, cfg.optim.grad_clip, guard=run.nonfinite, step=run.step + 1,
+                )  # fmt: skip
             run.step += 1
             run.tokens += t.total_batch_size
             steps_since_log += 1
@@ -129,6 +130,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 def main(argv: list[str]) -> int:
     config_file, overrides = parse_cli(argv, __doc__)
     cfg = load_config(config_file, overrides)
+    faults.install(int(os.environ.get("RANK", "0")))  # GPTRAIN_FAULT: malformed is exit 2 here
     if "RANK" not in os.environ:  # not under torchrun: maybe launch the workers ourselves
         nproc, nnodes = launch.nproc_for(cfg.dist.nproc_per_node), cfg.dist.nnodes
         if nproc > 1 or nnodes > 1:

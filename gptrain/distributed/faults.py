@@ -1,0 +1,111 @@
+"""Fault injection for tests and users' own drills: `GPTRAIN_FAULT=KIND@STEP[/RANK],...`.
+
+    GPTRAIN_FAULT=hang@50             every rank's step 50 sleeps forever (the watchdog's case)
+    GPTRAIN_FAULT=crash@51/1          rank 1 exits 1 inside step 51 (no clean-up, like a segfault)
+    GPTRAIN_FAULT=spike@60            step 60's loss and gradients x 20 (a finite loss spike)
+    GPTRAIN_FAULT=stall_save@100/0    rank 0's checkpoint write of step 100 blocks forever
+
+STEP is the optimizer step being trained (1 is the first); without /RANK a fault fires on every
+rank. A fault fires each time its step is trained in a process (a run resumed before that step
+meets it again). Unset or empty, nothing here costs anything: `in_step` returns one shared null
+context and `stall_save` returns at once. An unknown kind or a malformed entry is one line
+(UserError, exit 2) before anything starts. `install` is called once per process by
+`gptrain train`; the loop and the checkpoint entry point ask this module at their spots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from gptrain.errors import UserError
+
+ENV = "GPTRAIN_FAULT"
+KINDS = ("hang", "crash", "spike", "stall_save")
+SPIKE_FACTOR = 20.0
+_NULL = contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None  # None: every rank
+
+
+def parse(spec: str) -> list[Fault]:
+    """`KIND@STEP[/RANK],...` -> faults; a UserError naming the entry and the fix otherwise."""
+    faults = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        kind, at, rest = entry.partition("@")
+        step, slash, rank = rest.partition("/")
+        fix = f"use KIND@STEP[/RANK] with KIND one of {', '.join(KINDS)}, e.g. {ENV}=hang@5/1"
+        if kind not in KINDS:
+            raise UserError(f"{ENV} = {spec!r}: unknown fault kind {kind!r} in {entry!r}; {fix}")
+        if not at or not step.isdigit() or int(step) < 1 or (slash and not rank.isdigit()):
+            raise UserError(f"{ENV} = {spec!r}: malformed entry {entry!r} (STEP >= 1, RANK >= 0); {fix}")  # fmt: skip
+        faults.append(Fault(kind, int(step), int(rank) if slash else None))
+    return faults
+
+
+_active: dict[tuple[str, int], bool] = {}  # (kind, step) -> fires on this rank
+
+
+def install(rank: int, env=os.environ) -> None:
+    """Read GPTRAIN_FAULT for this process (rank); raises UserError when it is malformed."""
+    _active.clear()
+    for f in parse(env.get(ENV, "")):
+        if f.rank is None or f.rank == rank:
+            _active[(f.kind, f.step)] = True
+
+
+def fires(kind: str, step: int) -> bool:
+    return bool(_active) and (kind, step) in _active
+
+
+def _announce(what: str) -> None:
+    print(f"gptrain: fault injection ({ENV}): {what}", file=sys.stderr, flush=True)
+
+
+def in_step(step: int, model):
+    """The context the loop trains optimizer step `step` in: hang and crash act on entry, spike
+    multiplies the model's loss (hence every gradient) by SPIKE_FACTOR through a forward hook on
+    the plain model (under DDP and FSDP2 too) for this step only."""
+    if not _active:
+        return _NULL
+    if fires("crash", step):
+        _announce(f"crash at step {step}: exit 1")
+        os._exit(1)  # as a segfault or an OOM kill: no handler, no clean-up
+    if fires("hang", step):
+        _announce(f"hang at step {step}: sleeping forever")
+        while True:
+            time.sleep(3600)
+    if fires("spike", step):
+        return _spiked(model)
+    return _NULL
+
+
+@contextlib.contextmanager
+def _spiked(model):
+    def times_factor(module, args, out):
+        logits, loss = out
+        return logits, None if loss is None else loss * SPIKE_FACTOR
+
+    handle = model.register_forward_hook(times_factor)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def stall_save(step: int) -> None:
+    """Called where a checkpoint write begins: `stall_save` blocks it forever (a stuck disk)."""
+    if fires("stall_save", step):
+        _announce(f"stall_save at step {step}: the checkpoint write blocks forever")
+        while True:
+            time.sleep(3600)

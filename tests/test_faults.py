@@ -1,0 +1,103 @@
+"""Fault injection (GPTRAIN_FAULT): the spec's grammar and its refusals, inert when unset or meant
+for another rank, `crash` exits 1 inside its step, `spike` multiplies that step's loss and
+gradients by 20. `hang` and `stall_save` are exercised with the watchdog (tests/test_watchdog.py)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_train import DEBUG, REPO, run
+
+from gptrain.__main__ import main as cli
+from gptrain.checkpoint import manager as checkpoint
+from gptrain.distributed import faults
+from gptrain.errors import UserError
+
+QUICK = ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
+QUICK += ["optim.warmup_steps=1", "log.every=1"]
+
+
+@pytest.fixture
+def fault(monkeypatch):
+    """fault(spec, rank=0): install GPTRAIN_FAULT for this (in-process) test; cleared after."""
+
+    def set_fault(spec, rank=0):
+        faults.install(rank, {faults.ENV: spec})
+
+    yield set_fault
+    faults.install(0, {})
+
+
+def rows(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_parse():
+    assert faults.parse("") == []
+    assert faults.parse("hang@5, crash@7/1,spike@2,stall_save@10/0") == [
+        faults.Fault("hang", 5, None),
+        faults.Fault("crash", 7, 1),
+        faults.Fault("spike", 2, None),
+        faults.Fault("stall_save", 10, 0),
+    ]
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("boom@3", "unknown fault kind 'boom'"),
+        ("hang", "malformed entry 'hang'"),
+        ("hang@x", "malformed entry 'hang@x'"),
+        ("hang@0", "malformed entry 'hang@0'"),
+        ("crash@3/a", "malformed entry 'crash@3/a'"),
+        ("spike@2,hang@", "malformed entry 'hang@'"),
+    ],
+)
+def test_bad_spec_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, monkeypatch, spec, needle):  # fmt: skip
+    with pytest.raises(UserError, match=needle):
+        faults.parse(spec)
+    monkeypatch.setenv(faults.ENV, spec)
+    run_dir = tmp_path / "r"
+    assert cli(["train", "--config", DEBUG, f"--run.dir={run_dir}", "--log.progress=false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and "GPTRAIN_FAULT" in err[0] and "hang@5/1" in err[0]
+    assert not run_dir.exists()
+    faults.install(0, {})
+
+
+def test_inert_when_unset_or_for_another_rank(fault):
+    model = torch.nn.Linear(2, 2)
+    faults.install(0, {})
+    assert faults.in_step(3, model) is faults._NULL and not faults._active
+    fault("spike@3/1,hang@3/1,crash@3/1", rank=0)
+    assert faults.in_step(3, model) is faults._NULL
+    faults.stall_save(3)  # returns at once: stall_save is not set here
+
+
+def test_spike_multiplies_that_steps_loss_and_gradients(byte_data, tmp_path, fault):
+    common = ["train.max_steps=5", "checkpoint.every=0", "optim.grad_clip=0", *QUICK]
+    fault("spike@3")
+    run(byte_data, tmp_path / "spiked", *common)
+    fault("")
+    run(byte_data, tmp_path / "ref", *common)
+    b, c = rows(tmp_path / "spiked"), rows(tmp_path / "ref")
+    assert [r["loss"] for r in b[:2]] == [r["loss"] for r in c[:2]]  # before: identical
+    assert b[2]["loss"] == pytest.approx(20 * c[2]["loss"], rel=1e-5)
+    assert b[2]["grad_norm"] == pytest.approx(20 * c[2]["grad_norm"], rel=1e-4)  # before clipping
+    assert b[3]["loss"] != c[3]["loss"]  # the x20 gradient (unclipped) moved AdamW's moments
+
+
+def test_crash_exits_1_inside_its_step(byte_data, tmp_path):
+    run_dir = tmp_path / "r"
+    cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    cmd += [f"--run.dir={run_dir}", "--log.progress=false", "--train.max_steps=6"]
+    cmd += ["--checkpoint.every=2", *(f"--{q}" for q in QUICK)]
+    env = {**__import__("os").environ, faults.ENV: "crash@4", "PYTHONPATH": str(REPO)}
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "fault injection (GPTRAIN_FAULT): crash at step 4: exit 1" in p.stderr
+    assert checkpoint.latest(run_dir).name == "step_00000002"  # step 3 trained, 4 never finished
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
