@@ -9,6 +9,7 @@ import pytest
 
 from gptrain import cache
 from gptrain.__main__ import main as cli
+from gptrain.data import encode
 from gptrain.data import prepare as prep
 from gptrain.data import sources as corpora
 from gptrain.data.loader import Dataset
@@ -49,7 +50,7 @@ def test_tiny_shakespeare_gpt2_split(shakespeare_txt, gpt2_env, tmp_path):
 def test_output_identical_for_1_and_2_workers(
     shakespeare_txt, gpt2_env, tmp_path, monkeypatch, tok
 ):
-    monkeypatch.setattr(prep, "CHUNK_CHARS", 20_000)  # many work units, long documents cut
+    monkeypatch.setattr(encode, "CHUNK_CHARS", 20_000)  # many work units, long documents cut
     docs = tmp_path / "docs"
     docs.mkdir()
     text = shakespeare_txt.read_text()

@@ -1,6 +1,9 @@
-"""`gptrain prepare`: text (files, JSONL, Parquet, hf:, built-in corpora) into token shards.
+"""`gptrain prepare`: text (files, JSONL, Parquet, hf:, built-in corpora) or llm.c GPT-2 shards into
+a prepared folder; `--export-llmc` the other way; `--verify` a folder.
 
 gptrain prepare --input 'texts/*.txt' --out data/mine --tokenizer gpt2 --workers 8
+gptrain prepare --input 'fw/*train*.bin' --val-input 'fw/*val*.bin' --out data/fw
+gptrain prepare --export-llmc data/mine --out llmc/mine
 gptrain prepare --verify data/mine
 """
 
@@ -10,55 +13,65 @@ import os
 import shlex
 import time
 
+from gptrain.data.assemble import VAL_MAX_TOKENS
+from gptrain.data.convert import export_llmc
 from gptrain.data.prepare import prepare
 from gptrain.data.shards import verify_dir
 from gptrain.data.sources import BUILTIN_CORPORA
 from gptrain.errors import ArgParser, UserError
 
 
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def main(argv) -> int:
     parser = ArgParser(
-        prog="gptrain prepare", description="Tokenize text into shards + manifest.json."
+        prog="gptrain prepare",
+        description="Tokenize text (or take llm.c shards) into shards + manifest.json.",
     )
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        help=f"files, folders, globs, hf:NAME, or built-in: {', '.join(BUILTIN_CORPORA)}",
-    )
-    parser.add_argument("--out", help="folder to create (must not exist or be empty)")
-    parser.add_argument("--tokenizer", default="byte", help="byte | gpt2 | bpe:PATH (default byte)")
-    parser.add_argument(
-        "--text-field", default="text", help="JSONL key / Parquet column of the text"
-    )
-    parser.add_argument("--val-fraction", type=float, default=0.1)
-    parser.add_argument(
-        "--val-tokens", type=int, default=None, help="validation size in tokens instead"
-    )
-    parser.add_argument("--shard-tokens", type=int, default=100_000_000)
-    parser.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8))
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument(
-        "--utf8-errors",
-        choices=["strict", "replace"],
-        default="replace",
-        help="replace (default): invalid UTF-8 becomes U+FFFD, counted, reported and recorded in the manifest; strict: refuse the input",
-    )
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument(
-        "--verify", metavar="DIR", help="check every shard hash of a prepared folder and exit"
-    )
+    add = parser.add_argument
+    add("--input", nargs="+", help=f"files, folders, globs, llm.c .bin shards, hf:NAME, or built-in: {', '.join(BUILTIN_CORPORA)}")  # fmt: skip
+    add("--val-input", nargs="+", help="the validation split's own inputs (text, or llm.c val shards); default: held out from --input")  # fmt: skip
+    add("--out", help="folder to create (must not exist or be empty)")
+    add("--tokenizer", default=None, help="byte | gpt2 | bpe:PATH (default byte; gpt2 for llm.c shards)")  # fmt: skip
+    add("--text-field", default="text", help="JSONL key / Parquet column of the text")
+    add("--val-fraction", type=float, default=0.1, help="held-out share of the tokens (default 0.1)")  # fmt: skip
+    add("--val-max-tokens", type=int, default=VAL_MAX_TOKENS, help=f"cap on the held-out split with --val-fraction (default {VAL_MAX_TOKENS:,})")  # fmt: skip
+    add("--val-tokens", type=int, default=None, help="validation size in tokens instead")
+    add("--shard-tokens", type=int, default=100_000_000)
+    add("--workers", type=int, default=default_workers(), help="tokenizing processes (default: the cores available)")  # fmt: skip
+    add("--seed", type=int, default=1337, help="seed of the val split (and of the shuffle)")
+    add("--shuffle-seed", type=int, default=None, help="seed of the train documents' shuffle (default --seed)")  # fmt: skip
+    add("--no-shuffle", action="store_true", help="keep the train documents in input order")
+    add("--utf8-errors", choices=["strict", "replace"], default="replace", help="replace (default): invalid UTF-8 becomes U+FFFD, counted, reported and recorded in the manifest; strict: refuse the input")  # fmt: skip
+    add("--no-progress", action="store_true")
+    add("--verify", metavar="DIR", help="check every shard hash of a prepared folder and exit")
+    add("--export-llmc", metavar="DIR", help="write prepared GPT-2 folder DIR as llm.c shards into --out")  # fmt: skip
     args = parser.parse_args(argv)
     if args.verify:
         verify_dir(args.verify)
         print(f"ok: {args.verify}: every shard matches its manifest hash")
         return 0
+    if args.export_llmc:
+        if not args.out:
+            raise UserError("gptrain prepare --export-llmc DIR needs --out FOLDER for the llm.c shards")  # fmt: skip
+        files = export_llmc(args.export_llmc, args.out)
+        print(f"wrote {args.out}: {len(files)} llm.c shards, {sum(f['tokens'] for f in files):,} tokens")  # fmt: skip
+        return 0
     if not args.input or not args.out:
-        raise UserError("gptrain prepare: --input and --out are required (or --verify DIR)")
+        raise UserError("gptrain prepare: --input and --out are required (or --verify DIR, --export-llmc DIR)")  # fmt: skip
+    if args.no_shuffle and args.shuffle_seed is not None:
+        raise UserError("gptrain prepare: --no-shuffle and --shuffle-seed contradict each other; pass one")  # fmt: skip
     t0 = time.perf_counter()
     m = prepare(
         args.input, args.out, args.tokenizer, args.val_fraction, args.val_tokens, args.shard_tokens,
         args.workers, args.text_field, args.seed, not args.no_progress, args.utf8_errors,
-        command="gptrain prepare " + shlex.join(argv),
+        command="gptrain prepare " + shlex.join(argv), val_inputs=args.val_input,
+        val_max_tokens=args.val_max_tokens, shuffle=not args.no_shuffle, shuffle_seed=args.shuffle_seed,
     )  # fmt: skip
     s = m["splits"]
     print(f"wrote {args.out}: {s['train']['tokens']:,} train + {s['val']['tokens']:,} val tokens, "

@@ -1,6 +1,6 @@
 """Feeding training from prepared token shards: exactly once per epoch, resumable at any step.
 
-Shards are memory-mapped (nothing read up front: memory does not grow with the data set).
+Shards (gptrain's own, or llm.c shards taken as they are) are memory-mapped (nothing read up front: memory does not grow with the data set).
 A training sample is a window of seq_len + 1 tokens inside one shard, windows starting every
 `stride` tokens (default seq_len: no overlap). Each epoch visits every window exactly once:
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptrain.data.shards import open_shard, read_manifest
+from gptrain.data.shards import open_entry, read_manifest
 from gptrain.data.tokenizers import Tokenizer, load_tokenizer
 from gptrain.errors import UserError
 
@@ -55,8 +55,7 @@ class Dataset:
                 raise UserError(
                     f"{self.data_dir}/manifest.json: shard {entry.get('file')} has split {entry.get('split')!r}; allowed: train, val"
                 )
-            path = self.data_dir / entry["file"]
-            self.shards[entry["split"]].append(open_shard(path, entry["tokens"], tok_hash))
+            self.shards[entry["split"]].append(open_entry(self.data_dir, entry, tok_hash))
             self.entries[entry["split"]].append(entry)
         self._tokenizer: Tokenizer | None = None
 
@@ -73,9 +72,8 @@ class Dataset:
     def remap(self, split: str, index: int) -> np.ndarray:
         """Map shard `index` afresh: pages touched through the old mapping leave our resident
         memory (they stay in the kernel's page cache), so memory does not grow while reading."""
-        entry = self.entries[split][index]
-        path, tok_hash = self.data_dir / entry["file"], self.manifest["tokenizer"]["hash"]
-        self.shards[split][index] = open_shard(path, entry["tokens"], tok_hash)
+        entry, tok_hash = self.entries[split][index], self.manifest["tokenizer"]["hash"]
+        self.shards[split][index] = open_entry(self.data_dir, entry, tok_hash)
         return self.shards[split][index]
 
     def num_tokens(self, split: str) -> int:

@@ -11,8 +11,13 @@ A shard is a fixed 64-byte little-endian header followed by the tokens:
     56      8     reserved, zero
 
 `open_shard` checks the header and that the file holds exactly `count` tokens, then memory-maps
-the tokens (nothing is read up front). `verify_dir` checks every shard's sha256 against the
-manifest and that every token id is inside the vocabulary.
+the tokens (nothing is read up front). A manifest entry with "format": "llmc" is an llm.c GPT-2
+shard taken as it is (`gptrain.data.llmc`; its "file" is relative to the folder, or absolute when
+the original could not be hard-linked); `open_entry` opens either kind. An entry's "index" names
+its document index: `<shard>.docs.npy`, int64 positions (inside the shard) where a document
+starts, i.e. the token after each end-of-text separator (and 0 when the split's first document
+starts there), with its sha256. `verify_dir` checks every shard's (and index's) sha256 against
+the manifest and that every token id is inside the vocabulary.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gptrain.cache import sha256_file
+from gptrain.data import llmc
 from gptrain.errors import UserError
 
 MAGIC = b"GPTRSHRD"
@@ -114,6 +121,43 @@ def open_shard(
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_SIZE, shape=(count,))
 
 
+def open_entry(folder, entry: dict, tokenizer_hash: str | None = None) -> np.ndarray:
+    """The tokens of a manifest entry: a gptrain shard or an llm.c shard, memory-mapped."""
+    path = Path(folder) / entry["file"]  # an absolute "file" stays absolute
+    if entry.get("format", "gptrain") == "llmc":
+        return llmc.open_tokens(path, entry["tokens"])
+    return open_shard(path, entry["tokens"], tokenizer_hash)
+
+
+def write_index(path, starts: np.ndarray) -> dict:
+    """Save a shard's document starts as .npy (no pickle); return the manifest's "index" entry."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, np.asarray(starts, dtype=np.int64), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"file": path.name, "documents": int(len(starts)), "sha256": sha256_file(path)}
+
+
+def read_index(folder, entry: dict) -> np.ndarray | None:
+    """A shard's document starts (int64), or None for a folder prepared before the index."""
+    index = entry.get("index")
+    if not index:
+        return None
+    path = Path(folder) / index["file"]
+    try:
+        starts = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UserError(f"unreadable document index {path}: {e}; re-run gptrain prepare") from None
+    if starts.dtype != np.int64 or starts.ndim != 1 or len(starts) != index["documents"]:
+        raise UserError(
+            f"document index {path} does not match the manifest; re-run gptrain prepare"
+        )
+    return starts
+
+
 def write_manifest(folder, manifest: dict) -> None:
     path = Path(folder) / MANIFEST
     tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
@@ -148,16 +192,22 @@ def verify_dir(folder) -> None:
     vocab = int(manifest["vocab_size"])
     for entry in manifest["shards"]:
         path = folder / entry["file"]
-        tokens = open_shard(path, entry["tokens"], manifest["tokenizer"]["hash"])
-        if not path.is_file():
-            raise UserError(f"shard {path} listed in the manifest is missing")
-        sha = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda f=f: f.read(1 << 22), b""):
-                sha.update(block)
-        if sha.hexdigest() != entry["sha256"]:
+        tokens = open_entry(folder, entry, manifest["tokenizer"]["hash"])
+        files = [(path, entry["sha256"])]
+        if entry.get("index"):
+            files.append((folder / entry["index"]["file"], entry["index"]["sha256"]))
+        for file, want in files:
+            if not file.is_file():
+                raise UserError(f"{file} listed in the manifest is missing; re-run gptrain prepare")
+            got = sha256_file(file)
+            if got != want:
+                raise UserError(
+                    f"hash mismatch for {file}: sha256 {got[:16]}..., manifest says {want[:16]}...; the file changed, re-run gptrain prepare"
+                )
+        starts = read_index(folder, entry)
+        if starts is not None and len(starts) and (starts.min() < 0 or starts.max() >= len(tokens)):
             raise UserError(
-                f"hash mismatch for {path}: sha256 {sha.hexdigest()[:16]}..., manifest says {entry['sha256'][:16]}...; the file changed, re-run gptrain prepare"
+                f"document index of {path} points outside the shard; re-run gptrain prepare"
             )
         for start in range(0, len(tokens), 1 << 24):
             top = int(tokens[start : start + (1 << 24)].max())
