@@ -393,3 +393,162 @@ def test_text_val_input(tmp_path):
     assert documents_of(tmp_path / "d", "val") == [f"val {i}" for i in range(4)]
     assert sorted(documents_of(tmp_path / "d", "train")) == sorted(texts)
     assert m["val_fraction"] is None and m["val_inputs"] == [str(tmp_path / "v.jsonl")]
+
+
+# --- prepare that scales: work items read by the workers, parts, resume ---------------------------
+def corpus(tmp_path, files=24, rows=120, seed=0):
+    """JSONL files of FineWeb-like documents (a few hundred to a few thousand characters)."""
+    rng = np.random.default_rng(seed)
+    words = np.array("the of and to in a is that for it as was with be by on not he this are".split())  # fmt: skip
+    folder = tmp_path / "corpus"
+    folder.mkdir(exist_ok=True)
+    for f in range(files):
+        lines = []
+        for _ in range(rows):
+            n = int(rng.integers(50, 600))
+            lines.append(json.dumps({"text": " ".join(rng.choice(words, n)) + f" {f}."}))
+        (folder / f"{f:03d}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_kill_9_then_the_same_command_resumes_byte_identical(tmp_path, gpt2_env):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = corpus(tmp_path, files=30, rows=150)
+    args = ["--input", str(src), "--tokenizer", "gpt2", "--workers", "2", "--shard-tokens", "300000", "--no-progress"]  # fmt: skip
+    ref = tmp_path / "ref"
+    assert cli(["prepare", *args, "--out", str(ref)]) == 0
+    out, parts = tmp_path / "out", tmp_path / ".out.parts"
+    cmd = [sys.executable, "-m", "gptrain", "prepare", *args, "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while len(list(parts.glob("*.json"))) < 10 and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)  # the main process and its workers, mid-way
+    proc.wait()
+    done = len(list(parts.glob("*.json")))
+    assert 10 <= done < 30 and not out.exists()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    resumed = int(proc.stderr.split("resumed: ")[1].split(" of ")[0])
+    assert resumed >= done and "of 30 parts" in proc.stderr
+    assert folder_bytes(out) == folder_bytes(ref) and not parts.exists()
+
+
+def test_failure_keeps_finished_parts_and_the_rerun_reuses_them(tmp_path, capsys):
+    import gzip
+
+    src = corpus(tmp_path, files=6, rows=20)
+    good = (src / "003.jsonl").read_bytes()
+    (src / "003.jsonl.gz").write_bytes(gzip.compress(good)[:-30])
+    (src / "003.jsonl").unlink()  # a truncated .gz in the middle of the corpus
+    code, err = run_cli(capsys, "--input", src, "--out", tmp_path / "out", "--workers", "1")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"cannot read input file {src / '003.jsonl.gz'}" in err and "download or re-compress" in err  # fmt: skip
+    parts = sorted((tmp_path / ".out.parts").glob("*.json"))
+    assert len(parts) == 3 and not (tmp_path / "out").exists()  # the three files before it
+    before = {p.name: p.read_bytes() for p in (tmp_path / ".out.parts").iterdir()}
+    (src / "003.jsonl").write_bytes(good)  # the file restored (plain again)
+    (src / "003.jsonl.gz").unlink()
+    code, err = run_cli(capsys, "--input", src, "--out", tmp_path / "out")
+    assert code == 0 and "resumed: 3 of 6 parts" in err
+    prepare([str(src)], tmp_path / "ref", progress=False)
+    assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "ref")
+    assert len(before) == 9  # tokens, lengths and record of each finished part
+
+
+def test_ranges_row_groups_and_compression_give_the_same_shards(tmp_path, monkeypatch):
+    import gzip
+
+    from gptrain.data import parts
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    src = corpus(tmp_path, files=3, rows=80)
+    texts = [json.loads(line)["text"] for f in sorted(src.iterdir()) for line in f.read_text().splitlines()]  # fmt: skip
+    forms = tmp_path / "forms"
+    forms.mkdir()
+    kw = {"shard_tokens": 20_000, "progress": False}
+    prepare([str(src)], tmp_path / "ref", **kw)
+    (forms / "all.jsonl.gz").write_bytes(gzip.compress("".join(f.read_text() for f in sorted(src.iterdir())).encode()))  # fmt: skip
+    prepare([str(forms / "all.jsonl.gz")], tmp_path / "gz", **kw)
+    pq.write_table(pa.table({"text": texts}), forms / "all.parquet", row_group_size=37)
+    assert pq.ParquetFile(forms / "all.parquet").metadata.num_row_groups == 7
+    (forms / "all.jsonl").write_text("".join(f.read_text() for f in sorted(src.iterdir())))
+    monkeypatch.setattr(parts, "RANGE_BYTES", 10_000)  # the plain JSONL read in ~10 KB ranges
+    assert len(parts._file_items(str(forms / "all.jsonl"), 0, "text")) > 5
+    for name, item in (("pq1", "all.parquet"), ("jsonl", "all.jsonl")):
+        prepare([str(forms / item)], tmp_path / name, workers=2, **kw)
+    prepare([str(forms / "all.parquet")], tmp_path / "pq2", workers=1, **kw)
+    ref = folder_bytes(tmp_path / "ref")
+    for name in ("gz", "pq1", "pq2", "jsonl"):
+        got = folder_bytes(tmp_path / name)
+        assert got[0] == ref[0] and got[1]["splits"] == ref[1]["splits"], name
+
+
+def test_large_text_file_read_in_ranges_is_one_document(shakespeare_txt, tmp_path, monkeypatch):
+    from gptrain.data import parts
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    text = shakespeare_txt.read_text()
+    (folder / "a.txt").write_text(text)
+    (folder / "b.txt").write_text("a second document\n" * 30)
+    prepare([str(folder)], tmp_path / "whole", progress=False, shuffle=False)
+    monkeypatch.setattr(parts, "RANGE_BYTES", 50_000)
+    items = parts._file_items(str(folder / "a.txt"), 0, "text")
+    assert len(items) > 20 and [i["cont"] for i in items[:2]] == [False, True]
+    for a, b in zip(
+        items, items[1:], strict=False
+    ):  # each range ends before "\n" after a non-space
+        assert a["range"][1] == b["range"][0] and text.encode()[b["range"][0]] == 10
+    prepare([str(folder)], tmp_path / "ranges", workers=2, progress=False, shuffle=False)
+    assert folder_bytes(tmp_path / "ranges") == folder_bytes(tmp_path / "whole")
+    m = json.loads((tmp_path / "ranges" / "manifest.json").read_text())
+    assert m["documents"] == 2
+
+
+def test_zst_input(tmp_path, capsys, monkeypatch):
+    f = tmp_path / "a.jsonl.zst"
+    try:
+        import zstandard
+    except ImportError:
+        f.write_bytes(b"(\xb5/\xfd not really")
+        code, err = run_cli(capsys, "--input", f, "--out", tmp_path / "d")
+        assert code == 2 and err.count("\n") == 1 and "needs the zstandard package" in err
+        assert str(f) in err
+        return
+    rows = "".join(json.dumps({"text": f"row {i} text"}) + "\n" for i in range(30))
+    f.write_bytes(zstandard.ZstdCompressor().compress(rows.encode()))
+    (tmp_path / "a.jsonl").write_text(rows)
+    prepare([str(f)], tmp_path / "z", progress=False)
+    prepare([str(tmp_path / "a.jsonl")], tmp_path / "p", progress=False)
+    assert folder_bytes(tmp_path / "z")[0] == folder_bytes(tmp_path / "p")[0]
+
+
+def test_bad_files_one_line(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x"] * 5}), tmp_path / "a.parquet")
+    code, err = run_cli(capsys, "--input", tmp_path / "a.parquet", "--out", tmp_path / "d")
+    assert code == 2 and err.count("\n") == 1 and "a.parquet: no column 'text' (found: body); pass --text-field" in err  # fmt: skip
+    (tmp_path / "b.txt.gz").write_bytes(b"not gzip at all")
+    code, err = run_cli(capsys, "--input", tmp_path / "b.txt.gz", "--out", tmp_path / "d")
+    assert code == 2 and err.count("\n") == 1 and f"cannot read input file {tmp_path / 'b.txt.gz'}" in err  # fmt: skip
+    assert not (tmp_path / "d").exists() and not (tmp_path / ".d.parts").exists()
+
+
+def test_workers_default_to_the_cores_available(monkeypatch):
+    import os
+
+    from gptrain.commands import prepare as command
+
+    assert command.default_workers() == len(os.sched_getaffinity(0))

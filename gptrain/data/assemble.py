@@ -11,10 +11,14 @@ can be filled on its own (in any process, in any order) and its document index i
 from __future__ import annotations
 
 import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from gptrain.data.shards import write_index, write_shard_chunks
 from gptrain.errors import UserError
 
 VAL_MAX_TOKENS = 100_000_000
@@ -50,30 +54,83 @@ def train_order(train_ids: np.ndarray, shuffle_seed: int | None) -> np.ndarray:
 
 
 @dataclass
-class SplitLayout:
-    """Where each document of a split lies in the split's token stream."""
+class Pieces:
+    """Every tokenized piece (a document, or the part of one inside one part file) and the
+    documents they make, as NumPy arrays."""
 
-    docs: np.ndarray  # document ids in stream order
+    part: np.ndarray  # int32: which part holds the piece
+    start: np.ndarray  # int64: where in that part
+    length: np.ndarray  # int64: its tokens
+    doc_first: np.ndarray  # int64: each document's first piece
+    doc_count: np.ndarray  # int64: its pieces
+    doc_len: np.ndarray  # int64: its tokens
+    doc_split: np.ndarray  # int8: 0 chosen later, 1 train, 2 val
+
+    @classmethod
+    def from_parts(cls, records: list[dict], lengths: list[np.ndarray]) -> Pieces:
+        counts = np.array([len(x) for x in lengths], dtype=np.int64)
+        length = np.concatenate([np.zeros(0, np.int64), *lengths]).astype(np.int64)
+        part = np.repeat(np.arange(len(lengths), dtype=np.int32), counts)
+        first_of_part = np.cumsum(counts) - counts
+        within = np.cumsum(length) - length
+        start = within - np.repeat(within[first_of_part[counts > 0]], counts[counts > 0])
+        new_doc = np.ones(len(length), dtype=bool)
+        for p, record in enumerate(records):  # a part whose first piece continues a document
+            if record["cont"] and counts[p] and first_of_part[p] > 0:
+                new_doc[first_of_part[p]] = False
+        doc_first = np.flatnonzero(new_doc).astype(np.int64)
+        doc_count = np.diff(np.append(doc_first, len(length))).astype(np.int64)
+        doc_len = np.add.reduceat(length, doc_first) if len(doc_first) else np.zeros(0, np.int64)
+        splits = np.array([r["split"] for r in records], dtype=np.int8)
+        return cls(part, start, length, doc_first, doc_count, doc_len, splits[part[doc_first]])
+
+    def cut_single(self, keep: int) -> Pieces:
+        """The one document cut after `keep` tokens: a train document and a val document."""
+        ends = np.cumsum(self.length)
+        k = int(np.searchsorted(ends, keep, side="right"))  # the piece holding token `keep`
+        if k >= len(self.length):
+            k = len(self.length) - 1
+        before = keep - (int(ends[k - 1]) if k else 0)
+        part = np.insert(self.part, k + 1, self.part[k])
+        start = np.insert(self.start, k + 1, self.start[k] + before)
+        length = np.insert(self.length, k + 1, self.length[k] - before)
+        length[k] = before
+        doc_first = np.array([0, k + 1], dtype=np.int64)
+        doc_count = np.array([k + 1, len(length) - k - 1], dtype=np.int64)
+        doc_len = np.array([keep, int(self.length.sum()) - keep], dtype=np.int64)
+        return Pieces(part, start, length, doc_first, doc_count, doc_len, np.array([1, 2], np.int8))  # fmt: skip
+
+
+@dataclass
+class SplitLayout:
+    """Where each piece of a split's documents lies in the split's token stream."""
+
+    pieces: np.ndarray  # piece ids in stream order
     pos: np.ndarray  # stream position of each one's first token
     length: np.ndarray  # its tokens
+    doc_pos: np.ndarray  # stream position of each document's first token
     total: int  # tokens in the stream (documents + separators)
     shard_tokens: int
 
     @classmethod
-    def build(cls, docs: np.ndarray, lengths: np.ndarray, shard_tokens: int) -> SplitLayout:
-        length = lengths[docs].astype(np.int64)
-        pos = np.zeros(len(docs), dtype=np.int64)
-        if len(docs) > 1:
-            pos[1:] = np.cumsum(length[:-1] + 1)
-        total = int(pos[-1] + length[-1]) if len(docs) else 0
-        return cls(docs, pos, length, total, shard_tokens)
+    def build(cls, p: Pieces, docs: np.ndarray, shard_tokens: int) -> SplitLayout:
+        counts, firsts = p.doc_count[docs], p.doc_first[docs]
+        offs = np.cumsum(counts) - counts
+        idx = np.arange(int(counts.sum()), dtype=np.int64)
+        idx += np.repeat(firsts - offs, counts)
+        length = p.length[idx]
+        sep = np.zeros(len(idx), dtype=np.int64)
+        sep[offs[1:]] = 1  # one end-of-text before every document but the first
+        pos = np.cumsum(length) - length + np.cumsum(sep)
+        total = int(pos[-1] + length[-1]) if len(idx) else 0
+        return cls(idx, pos, length, pos[offs], total, shard_tokens)
 
     @property
     def num_shards(self) -> int:
         return -(-self.total // self.shard_tokens)
 
     def shard_range(self, s: int) -> tuple[int, int, int, int]:
-        """(first token, end token, first document, end document) of shard s."""
+        """(first token, end token, first piece, end piece) of shard s."""
         a, b = s * self.shard_tokens, min((s + 1) * self.shard_tokens, self.total)
         first = int(np.searchsorted(self.pos + self.length, a, side="right"))
         end = int(np.searchsorted(self.pos, b, side="left"))
@@ -82,20 +139,25 @@ class SplitLayout:
     def doc_starts(self, s: int) -> np.ndarray:
         """Positions inside shard s where a document's first token lies."""
         a, b, _, _ = self.shard_range(s)
-        lo, hi = np.searchsorted(self.pos, [a, b], side="left")
-        return (self.pos[lo:hi] - a).astype(np.int64)
+        lo, hi = np.searchsorted(self.doc_pos, [a, b], side="left")
+        return (self.doc_pos[lo:hi] - a).astype(np.int64)
 
-    def fill(self, s: int, parts, part: np.ndarray, start: np.ndarray, eot: int, dtype):
-        """Shard s's tokens: end-of-text everywhere, each overlapping document copied over it."""
+    def chunks(self, s: int, p: Pieces, parts, eot: int, dtype):
+        """Shard s's tokens as consecutive arrays: pieces, and end-of-text between documents."""
         a, b, first, end = self.shard_range(s)
-        buf = np.full(b - a, eot, dtype=dtype)
+        cursor = a
         for k in range(first, end):
-            d, p, n = int(self.docs[k]), int(self.pos[k]), int(self.length[k])
-            lo, hi = max(p, a), min(p + n, b)
+            pos, n, piece = int(self.pos[k]), int(self.length[k]), int(self.pieces[k])
+            if pos > cursor:  # the separator before this document
+                yield np.full(pos - cursor, eot, dtype=dtype)
+                cursor = pos
+            lo, hi = max(pos, a), min(pos + n, b)
             if hi > lo:
-                src = int(start[d]) + lo - p
-                buf[lo - a : hi - a] = parts[int(part[d])][src : src + hi - lo]
-        return buf
+                src = int(p.start[piece]) + lo - pos
+                yield parts(int(p.part[piece]))[src : src + hi - lo]
+                cursor = hi
+        if cursor < b:
+            yield np.full(b - cursor, eot, dtype=dtype)
 
 
 def split_sizes(is_val: np.ndarray, lengths: np.ndarray) -> tuple[int, int]:
@@ -113,3 +175,43 @@ def split_sizes(is_val: np.ndarray, lengths: np.ndarray) -> tuple[int, int]:
             "--val-fraction or --val-tokens"
         )
     return train, val
+
+
+# --- writing the shards (in parallel: each shard is independent) ---------------------------------
+_job: dict = {}  # set before the pool forks: what every shard writer reads
+
+
+def _part(i: int) -> np.ndarray:
+    maps = _job.setdefault("maps", {})
+    if i not in maps:
+        path = _job["part_paths"][i]
+        size = Path(path).stat().st_size
+        maps[i] = np.memmap(path, dtype=_job["dtype"], mode="r") if size else np.zeros(0, _job["dtype"])  # fmt: skip
+    return maps[i]
+
+
+def _write_one(task: tuple[str, int]) -> dict:
+    split, s = task
+    j = _job
+    layout: SplitLayout = j["layouts"][split]
+    a, b, _, _ = layout.shard_range(s)
+    name = f"{split}_{s:06d}"
+    chunks = layout.chunks(s, j["pieces"], _part, j["eot"], j["dtype"])
+    entry = write_shard_chunks(j["folder"] / f"{name}.bin", b - a, chunks, j["tok_hash"], j["dtype"])  # fmt: skip
+    entry["index"] = write_index(j["folder"] / f"{name}.docs.npy", layout.doc_starts(s))
+    return {**entry, "split": split}
+
+
+def write_shards(folder: Path, layouts: dict, pieces: Pieces, part_paths: list, tok, dtype, workers: int) -> list[dict]:  # fmt: skip
+    """Every shard of every split (train first) with its document index; manifest entries."""
+    _job.clear()
+    _job.update(folder=folder, layouts=layouts, pieces=pieces, part_paths=part_paths, dtype=dtype, eot=tok.eot_id, tok_hash=tok.hash)  # fmt: skip
+    tasks = [(split, s) for split, lay in layouts.items() for s in range(lay.num_shards)]
+    try:
+        if workers <= 1 or len(tasks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            return [_write_one(t) for t in tasks]
+        ctx = multiprocessing.get_context("fork")  # the writers inherit _job
+        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx) as pool:
+            return list(pool.map(_write_one, tasks))
+    finally:
+        _job.clear()

@@ -19,19 +19,30 @@ written in a temporary folder that is renamed to --out only when complete.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from gptrain.cache import cache_dir, sha256_file
-from gptrain.data import llmc
-from gptrain.data.assemble import VAL_MAX_TOKENS, SplitLayout, choose_val, split_sizes, train_order
+from gptrain.data import encode, llmc, parts
+from gptrain.data.assemble import (
+    VAL_MAX_TOKENS,
+    Pieces,
+    SplitLayout,
+    choose_val,
+    split_sizes,
+    train_order,
+    write_shards,
+)
 from gptrain.data.convert import import_llmc
 from gptrain.data.encode import tokenize_to_file
-from gptrain.data.shards import dtype_for_vocab, write_index, write_manifest, write_shard
-from gptrain.data.sources import BUILTIN_CORPORA, Document, expand_inputs, iter_documents
+from gptrain.data.parts import plan, single_cut_items
+from gptrain.data.shards import dtype_for_vocab, write_manifest
+from gptrain.data.sources import BUILTIN_CORPORA, Document, base_name, expand_inputs
 from gptrain.data.tokenizers import load_tokenizer
 from gptrain.errors import UserError
 
@@ -60,43 +71,45 @@ def check_args(val_fraction, val_tokens, val_max_tokens, shard_tokens, workers) 
         raise UserError(f"--shard-tokens {shard_tokens} / --workers {workers}: both must be >= 1")
 
 
-def counted(docs, counter: list):
-    for doc in docs:
-        counter[0] += 1
-        yield doc
+def is_single_text(expanded: list[str], val_inputs, val_tokens) -> bool:
+    """One text file and nothing else: one document, split by characters."""
+    if len(expanded) != 1 or val_inputs or val_tokens is not None:
+        return False
+    item = expanded[0]
+    if item.startswith("hf:") or not Path(item).is_file():
+        return False
+    return not base_name(item).endswith((".jsonl", ".parquet"))
 
 
-def tokenize_text(inputs, val_inputs, tok, flat, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens):  # fmt: skip
-    """Tokenize every document into `flat`; return (lengths, forced split per document: 0 auto,
-    1 train, 2 val, or None when the split is the single-document character cut, n_docs)."""
-    expanded = expand_inputs(inputs) + expand_inputs(val_inputs or [])
-    total_bytes = None
-    if all(Path(p).is_file() for p in expanded):
-        total_bytes = sum(Path(p).stat().st_size for p in expanded)
-    stream = (d for d in iter_documents(inputs, text_field, utf8_errors, stats) if d.text)
-    head = list(itertools.islice(stream, 2))  # streamed: only the work in flight is in memory
-    if not head:
-        raise UserError(f"empty input: {' '.join(inputs)} holds no text")
-    single = len(head) == 1 and val_tokens is None and not val_inputs
-    docs = itertools.chain(head, stream)
-    if single:  # the val part is the last val_fraction of the text
-        text, cut = head[0].text, int(len(head[0].text) * (1 - val_fraction))
-        docs = [Document(head[0].source, text[:cut]), Document(head[0].source, text[cut:])]
-    del head
-    n_train = [0]
-    docs = counted(docs, n_train)
-    if val_inputs:
-        val_docs = (d for d in iter_documents(val_inputs, text_field, utf8_errors, stats) if d.text)
-        docs = itertools.chain(docs, val_docs)
-    lengths = tokenize_to_file(docs, tok, flat, workers, progress, total_bytes)
-    forced = np.zeros(len(lengths), dtype=np.int8)
-    if val_inputs:
-        if len(lengths) == n_train[0]:
-            raise UserError(f"empty input: --val-input {' '.join(val_inputs)} holds no text")
-        forced[: n_train[0]], forced[n_train[0] :] = 1, 2
-    elif single:
-        forced[:] = (1, 2)
-    return lengths, forced, len(lengths) - (1 if single else 0)
+def tokenize_parts(expanded, val_expanded, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens):  # fmt: skip
+    """Phase 1: every work item tokenized into its part (finished parts of an earlier run
+    reused). Returns (Pieces, part token files, whether it was the single-document cut)."""
+    from tqdm import tqdm
+
+    single = is_single_text(expanded, val_expanded, val_tokens)
+    if single:
+        items = iter(single_cut_items(expanded[0], val_fraction, utf8_errors, stats))
+    else:
+        items = itertools.chain(
+            plan(expanded, 1 if val_expanded else 0, text_field, utf8_errors, stats),
+            plan(val_expanded, 2, text_field, utf8_errors, stats),
+        )
+    total = None
+    if all(Path(p).is_file() for p in expanded + val_expanded):
+        total = sum(Path(p).stat().st_size for p in expanded + val_expanded)
+    settings = {"tokenizer": tok.hash, "text_field": text_field, "utf8_errors": utf8_errors, "chunk": encode.CHUNK_CHARS, "range": parts.RANGE_BYTES, "item": parts.ITEM_CHARS}  # fmt: skip
+    workdir.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress, mininterval=0.5)  # fmt: skip
+    with bar:
+        records = parts.run_parts(items, tok, workdir, settings, workers, bar)
+    for record in records:
+        for source, n in record["replaced"].items():
+            stats[source] = stats.get(source, 0) + n
+    for source, n in stats.items():
+        print(f"gptrain: warning: {source}: replaced {n} invalid UTF-8 sequence(s) with U+FFFD", file=sys.stderr)  # fmt: skip
+    lengths = [np.load(workdir / f"{r['key']}.len.npy", allow_pickle=False) for r in records]
+    pieces = Pieces.from_parts(records, lengths)
+    return pieces, [workdir / f"{r['key']}.tok" for r in records], single
 
 
 def prepare(
@@ -137,6 +150,9 @@ def prepare(
         )
     tok = None if flags and all(flags) else load_tokenizer(tokenizer or "byte")
     out.parent.mkdir(parents=True, exist_ok=True)
+    workdir = (
+        out.parent / f".{out.name}.parts"
+    )  # finished parts: kept until the folder is published
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -147,7 +163,7 @@ def prepare(
             manifest = import_llmc(expanded, val_expanded, tmp, tokenizer)
             manifest.update(settings)
         else:
-            manifest = prepare_text(inputs, val_inputs, tok, tmp, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed if shuffle_seed is not None else seed if shuffle else None)  # fmt: skip
+            manifest = prepare_text(inputs, val_inputs, tok, tmp, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed if shuffle_seed is not None else seed if shuffle else None)  # fmt: skip
             manifest.update(settings)
             manifest["text_field"] = text_field
             manifest["invalid_utf8"] = {"replaced": sum(stats.values()), "files": stats}
@@ -155,47 +171,47 @@ def prepare(
         manifest["command"] = command or f"prepare({', '.join(map(repr, inputs))}, tokenizer={tokenizer!r})"  # fmt: skip
         write_manifest(tmp, manifest)
         publish(tmp, out)
+        shutil.rmtree(workdir, ignore_errors=True)
         return manifest
+    except UserError:
+        if workdir.is_dir() and not any(workdir.glob("*.json")):  # nothing worth keeping
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prepare_text(inputs, val_inputs, tok, tmp, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed) -> dict:  # fmt: skip
-    flat = tmp / "tokens.tmp"
-    lengths, forced, n_docs = tokenize_text(inputs, val_inputs, tok, flat, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens)  # fmt: skip
-    if flat.stat().st_size == 0:
-        raise UserError(f"empty input: {' '.join(inputs)} gives no tokens")
-    dtype = dtype_for_vocab(tok.vocab_size)
-    tokens = np.memmap(flat, dtype=dtype, mode="r")
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    if len(lengths) == 1:  # one document and --val-tokens: its last val_tokens tokens
-        cut = max(int(lengths[0]) - val_tokens, 0)
-        starts, lengths = np.array([0, cut]), np.array([cut, int(lengths[0]) - cut])
-        forced = np.array([1, 2], dtype=np.int8)
-    is_val = forced == 2
-    auto = forced == 0
+def prepare_text(inputs, val_inputs, tok, tmp, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed) -> dict:  # fmt: skip
+    expanded, val_expanded = expand_inputs(inputs), expand_inputs(val_inputs or [])
+    pieces, part_paths, single = tokenize_parts(expanded, val_expanded, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens)  # fmt: skip
+    if int(pieces.doc_len.sum()) == 0:
+        raise UserError(f"empty input: {' '.join(inputs)} holds no text")
+    if val_inputs and not (pieces.doc_split == 2).any():
+        raise UserError(f"empty input: --val-input {' '.join(val_inputs)} holds no text")
+    n_docs = len(pieces.doc_len) - (1 if single else 0)
+    auto = pieces.doc_split == 0
+    if auto.sum() == 1 and len(auto) == 1:  # one document: its last val tokens
+        n = int(pieces.doc_len[0])
+        want = val_tokens if val_tokens is not None else math.ceil(val_fraction * n)
+        if val_tokens is None and val_max_tokens is not None:
+            want = min(want, val_max_tokens)
+        if want >= n:
+            raise UserError(f"val split takes all {n} tokens, leaving none for training; lower --val-fraction or --val-tokens")  # fmt: skip
+        pieces, auto = pieces.cut_single(n - want), np.zeros(2, dtype=bool)
+    is_val = pieces.doc_split == 2
     if auto.any():
-        is_val[auto] = choose_val(lengths[auto], val_fraction, val_tokens, seed, val_max_tokens)
-    split_sizes(is_val, lengths)
-    orders = {
-        "train": train_order(np.flatnonzero(~is_val), shuffle_seed),
-        "val": np.flatnonzero(is_val),
-    }
-    part = np.zeros(len(lengths), dtype=np.int32)
-    shards, splits = [], {}
-    for split, docs in orders.items():
-        layout = SplitLayout.build(docs, lengths, shard_tokens)
-        splits[split] = {"tokens": layout.total, "segments": len(docs), "documents": len(docs)}
-        for s in range(layout.num_shards):
-            buf = layout.fill(s, [tokens], part, starts, tok.eot_id, dtype)
-            name = f"{split}_{s:06d}"
-            entry = write_shard(tmp / f"{name}.bin", buf, tok.hash, tok.vocab_size)
-            entry["index"] = write_index(tmp / f"{name}.docs.npy", layout.doc_starts(s))
-            shards.append({**entry, "split": split})
-    del tokens
-    flat.unlink()
+        is_val[auto] = choose_val(pieces.doc_len[auto], val_fraction, val_tokens, seed, val_max_tokens)  # fmt: skip
+    split_sizes(is_val, pieces.doc_len)
+    orders = {"train": train_order(np.flatnonzero(~is_val), shuffle_seed), "val": np.flatnonzero(is_val)}  # fmt: skip
+    layouts = {split: SplitLayout.build(pieces, docs, shard_tokens) for split, docs in orders.items()}  # fmt: skip
+    dtype = dtype_for_vocab(tok.vocab_size)
+    shards = write_shards(tmp, layouts, pieces, part_paths, tok, dtype, workers)
     if tok.name == "bpe":  # keep the tokenizer with the data, for sampling elsewhere
         shutil.copyfile(tok.path, tmp / "tokenizer.json")
+    splits = {
+        s: {"tokens": lay.total, "segments": len(orders[s]), "documents": len(orders[s])}
+        for s, lay in layouts.items()
+    }
     return {
         "tokenizer": tok.identity(),
         "vocab_size": tok.vocab_size,

