@@ -28,6 +28,7 @@ from gptrain.config.cli import parse_cli
 from gptrain.config.sections import Config, load_config
 from gptrain.distributed import failures, faults, launch
 from gptrain.distributed import runtime as dist
+from gptrain.distributed.watchdog import Watchdog, flight_recorder_env
 from gptrain.training import batch
 from gptrain.training import run as phases
 from gptrain.training.guards import NonFiniteStop, Preemption
@@ -37,9 +38,16 @@ from gptrain.training.step import train_step
 
 def train(cfg: Config, info: dist.DistInfo) -> dict:
     """Run one training job; returns the summary dict (also written to run.dir/summary.json)."""
+    log_path = os.path.join(cfg.run.dir, "train.log") if info.is_main else None
+    with Watchdog(cfg.dist.hang_timeout_s, info.rank, log_path) as watchdog:  # phase: start
+        return _train(cfg, info, watchdog)
+
+
+def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     t = cfg.train
     run = phases.start(cfg, info)  # data, resume, model, loader, logger: every bad input fails here
     if run.ckpt is None and cfg.eval.every > 0:  # the untrained baseline: curves start at step 0
+        watchdog.enter("eval", 0)
         run.logger.log(0, {"tokens": 0, **phases.eval_and_sample(run, 0, True, False)})
     if run.step >= t.max_steps:  # nothing to do: leave the run's summary and plot as they are
         run.logger.text(
@@ -48,12 +56,13 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         run.close()
         return {"steps": run.step, "tokens": run.tokens, "world_size": info.world_size}
 
-    # the loop
+    # the loop; the watchdog only hears of phase boundaries (a clock read each, no sync)
     run.t_start = t_log = time.perf_counter()
     steps_since_log, last = 0, {}  # last: the latest logged metrics and eval results
     preemption, stopped_by = Preemption().install(), None
     try:
         while run.step < t.max_steps:
+            watchdog.enter("step", run.step + 1)
             lr = lr_at(run.step, cfg.optim, t.max_steps)
             set_lr(run.optimizer, lr, cfg.optim)
             with faults.in_step(run.step + 1, run.model):  # GPTRAIN_FAULT drills; else nothing
@@ -76,6 +85,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             if log_now or save_now or stop:  # steps that sync anyway: the non-finite policy
                 bad_step = run.nonfinite.check(step)  # raises NonFiniteStop (stop, max_skips)
                 if bad_step is not None:  # rollback
+                    watchdog.enter("save", step)  # reading a checkpoint: the save's budget
                     phases.publish(run)  # a pending save is a checked step's: roll back to it
                     run.rollbacks += 1
                     phases.roll_back(run, bad_step, step)
@@ -86,8 +96,10 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             if log_now:
                 metrics = phases.step_metrics(run, loss_sum, grad_norm, lr, steps_since_log, t_log)
             if save_now or stop:  # before eval: an eval that fails cannot cost the checkpoint
+                watchdog.enter("save", step)
                 saved_path = phases.save(run, wait=final or stop)  # complete before exiting
             if log_now:
+                watchdog.enter("eval", step)
                 metrics.update(phases.eval_and_sample(run, step, eval_now, sample_now))
                 last.update(metrics)
                 run.logger.log(step, metrics)
@@ -116,6 +128,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         raise
     finally:
         preemption.restore()
+    watchdog.stop()
     run.loader.close()
     if stopped_by:  # the run is not finished: no final summary or plot
         run.close()
@@ -137,6 +150,8 @@ def main(argv: list[str]) -> int:
             batch.plan(cfg.train, nproc * nnodes)  # fail before spawning anything
             return launch.launch(nproc, argv, cfg.dist)
     info = dist.DistInfo.from_env(cfg.train.device)
+    if info.device_type == "cuda" and cfg.dist.hang_timeout_s != 0:  # before the NCCL group
+        flight_recorder_env(cfg.run.dir)  # the watchdog can then dump the NCCL flight recorder
     dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
     finished = False
     try:
