@@ -552,3 +552,66 @@ def test_workers_default_to_the_cores_available(monkeypatch):
     from gptrain.commands import prepare as command
 
     assert command.default_workers() == len(os.sched_getaffinity(0))
+
+
+def test_shards_written_before_a_failure_are_kept(tmp_path, monkeypatch):
+    """Phase 2 resumes too: shards finished before a failure are not written again."""
+    from gptrain.data import assemble
+
+    src = corpus(tmp_path, files=4, rows=40)
+    kw = {"shard_tokens": 5_000, "progress": False}
+    prepare([str(src)], tmp_path / "ref", **kw)
+    real, calls, failed = assemble.write_shard_chunks, [], []
+
+    def flaky(path, *a, **k):
+        calls.append(Path(path).name)
+        if len(calls) == 4 and not failed:
+            failed.append(path)
+            raise UserError("disk full (simulated)")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(assemble, "write_shard_chunks", flaky)
+    with pytest.raises(UserError, match="simulated"):
+        prepare([str(src)], tmp_path / "out", **kw)
+    assert len(list((tmp_path / ".out.parts").glob("shards-*/.train_*.done.json"))) == 3
+    calls.clear()
+    m = prepare([str(src)], tmp_path / "out", **kw)
+    assert calls[0] == "train_000003.bin" and len(calls) == len(m["shards"]) - 3
+    assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "ref")
+    assert not (tmp_path / ".out.parts").exists()
+
+
+def test_hf_stream_retries_then_one_line(tmp_path, monkeypatch, capsys):
+    """hf: input: a network error reopens the stream after the rows already read (no row twice);
+    after 4 failures in a row, one line, exit 2."""
+    import sys
+    import types
+
+    rows = [{"text": f"row {i} " * 20} for i in range(50)]
+    fail_at = {"n": [10, 30], "always": False}
+
+    class Stream:
+        def __init__(self, start=0):
+            self.start = start
+
+        def skip(self, n):
+            return Stream(self.start + n)
+
+        def __iter__(self):
+            for i in range(self.start, len(rows)):
+                if fail_at["always"] or (fail_at["n"] and i == fail_at["n"][0]):
+                    if fail_at["n"] and not fail_at["always"]:
+                        fail_at["n"].pop(0)
+                    raise ConnectionError("connection reset by peer")
+                yield rows[i]
+
+    fake = types.SimpleNamespace(load_dataset=lambda *a, **k: Stream())
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.setattr(corpora.time, "sleep", lambda s: None)
+    m = prepare(["hf:some/set"], tmp_path / "d", val_fraction=0.2, shuffle=False, progress=False)
+    assert m["documents"] == 50
+    got = sorted(documents_of(tmp_path / "d", "train") + documents_of(tmp_path / "d", "val"))
+    assert got == sorted(r["text"] for r in rows)
+    fail_at["always"] = True
+    code, err = run_cli(capsys, "--input", "hf:some/set", "--out", tmp_path / "e")
+    assert code == 2 and err.count("\n") == 1 and "after 4 tries" in err and "connection reset" in err  # fmt: skip

@@ -10,15 +10,17 @@ can be filled on its own (in any process, in any order) and its document index i
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from gptrain.data.shards import write_index, write_shard_chunks
+from gptrain.data.shards import HEADER_SIZE, write_index, write_shard_chunks
 from gptrain.errors import UserError
 
 VAL_MAX_TOKENS = 100_000_000
@@ -191,15 +193,27 @@ def _part(i: int) -> np.ndarray:
 
 
 def _write_one(task: tuple[str, int]) -> dict:
+    """One shard and its index; a shard finished by an earlier run (its record beside it) is kept."""
     split, s = task
     j = _job
     layout: SplitLayout = j["layouts"][split]
     a, b, _, _ = layout.shard_range(s)
-    name = f"{split}_{s:06d}"
+    name, folder = f"{split}_{s:06d}", j["folder"]
+    record = folder / f".{name}.done.json"
+    try:
+        entry = json.loads(record.read_text())
+        if (folder / entry["file"]).stat().st_size == HEADER_SIZE + (b - a) * np.dtype(j["dtype"]).itemsize and (folder / entry["index"]["file"]).is_file():  # fmt: skip
+            return entry
+    except (OSError, ValueError, KeyError):
+        pass
     chunks = layout.chunks(s, j["pieces"], _part, j["eot"], j["dtype"])
-    entry = write_shard_chunks(j["folder"] / f"{name}.bin", b - a, chunks, j["tok_hash"], j["dtype"])  # fmt: skip
-    entry["index"] = write_index(j["folder"] / f"{name}.docs.npy", layout.doc_starts(s))
-    return {**entry, "split": split}
+    entry = write_shard_chunks(folder / f"{name}.bin", b - a, chunks, j["tok_hash"], j["dtype"])
+    entry["index"] = write_index(folder / f"{name}.docs.npy", layout.doc_starts(s))
+    entry = {**entry, "split": split}
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_text(json.dumps(entry))
+    os.replace(tmp, record)
+    return entry
 
 
 def write_shards(folder: Path, layouts: dict, pieces: Pieces, part_paths: list, tok, dtype, workers: int) -> list[dict]:  # fmt: skip
@@ -207,6 +221,8 @@ def write_shards(folder: Path, layouts: dict, pieces: Pieces, part_paths: list, 
     _job.clear()
     _job.update(folder=folder, layouts=layouts, pieces=pieces, part_paths=part_paths, dtype=dtype, eot=tok.eot_id, tok_hash=tok.hash)  # fmt: skip
     tasks = [(split, s) for split, lay in layouts.items() for s in range(lay.num_shards)]
+    for stale in folder.glob(".*.tmp*"):  # a shard cut short by a kill
+        stale.unlink()
     try:
         if workers <= 1 or len(tasks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
             return [_write_one(t) for t in tasks]

@@ -18,7 +18,9 @@ written in a temporary folder that is renamed to --out only when complete.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import math
 import os
 import shutil
@@ -150,27 +152,27 @@ def prepare(
         )
     tok = None if flags and all(flags) else load_tokenizer(tokenizer or "byte")
     out.parent.mkdir(parents=True, exist_ok=True)
-    workdir = (
-        out.parent / f".{out.name}.parts"
-    )  # finished parts: kept until the folder is published
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    workdir = out.parent / f".{out.name}.parts"  # finished work, kept until --out is published
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"  # llm.c imports are written here
     stats: dict = {}
     settings = {"inputs": list(inputs), "val_inputs": list(val_inputs or []), "seed": seed}
     try:
         if tok is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
             manifest = import_llmc(expanded, val_expanded, tmp, tokenizer)
-            manifest.update(settings)
+            folder = tmp
         else:
-            manifest = prepare_text(inputs, val_inputs, tok, tmp, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed if shuffle_seed is not None else seed if shuffle else None)  # fmt: skip
-            manifest.update(settings)
+            shuffle_seed = shuffle_seed if shuffle_seed is not None else seed if shuffle else None
+            manifest, folder = prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed)  # fmt: skip
             manifest["text_field"] = text_field
             manifest["invalid_utf8"] = {"replaced": sum(stats.values()), "files": stats}
-        manifest = {"format": "gptrain-shards", "version": 1, **manifest}
+        manifest = {"format": "gptrain-shards", "version": 1, **manifest, **settings}
         manifest["command"] = command or f"prepare({', '.join(map(repr, inputs))}, tokenizer={tokenizer!r})"  # fmt: skip
-        write_manifest(tmp, manifest)
-        publish(tmp, out)
+        write_manifest(folder, manifest)
+        for record in folder.glob(".*.done.json"):  # the shard writers' resume records
+            record.unlink()
+        publish(folder, out)
         shutil.rmtree(workdir, ignore_errors=True)
         return manifest
     except UserError:
@@ -181,7 +183,10 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prepare_text(inputs, val_inputs, tok, tmp, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed) -> dict:  # fmt: skip
+def prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed) -> tuple[dict, Path]:  # fmt: skip
+    """Phase 1 (parts), then the split, shuffle and shards, written in a folder inside the work
+    folder named after everything that decides them, so a rerun keeps the shards already written.
+    Returns (manifest fields, that folder)."""
     expanded, val_expanded = expand_inputs(inputs), expand_inputs(val_inputs or [])
     pieces, part_paths, single = tokenize_parts(expanded, val_expanded, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens)  # fmt: skip
     if int(pieces.doc_len.sum()) == 0:
@@ -205,6 +210,9 @@ def prepare_text(inputs, val_inputs, tok, tmp, workdir, workers, progress, text_
     orders = {"train": train_order(np.flatnonzero(~is_val), shuffle_seed), "val": np.flatnonzero(is_val)}  # fmt: skip
     layouts = {split: SplitLayout.build(pieces, docs, shard_tokens) for split, docs in orders.items()}  # fmt: skip
     dtype = dtype_for_vocab(tok.vocab_size)
+    decided = {"parts": [p.name for p in part_paths], "val": [val_fraction, val_tokens, val_max_tokens, bool(val_inputs)], "seed": seed, "shuffle": shuffle_seed, "shard_tokens": shard_tokens}  # fmt: skip
+    tmp = workdir / ("shards-" + hashlib.sha256(json.dumps(decided).encode()).hexdigest()[:16])
+    tmp.mkdir(exist_ok=True)
     shards = write_shards(tmp, layouts, pieces, part_paths, tok, dtype, workers)
     if tok.name == "bpe":  # keep the tokenizer with the data, for sampling elsewhere
         shutil.copyfile(tok.path, tmp / "tokenizer.json")
@@ -225,7 +233,7 @@ def prepare_text(inputs, val_inputs, tok, tmp, workdir, workers, progress, text_
         "val_max_tokens": None if val_tokens is not None or val_inputs else val_max_tokens,
         "shard_tokens": shard_tokens,
         "shuffle": None if shuffle_seed is None else {"seed": shuffle_seed, "split": "train"},
-    }
+    }, tmp
 
 
 def publish(tmp: Path, out: Path) -> None:
