@@ -1,4 +1,5 @@
-"""Precision: the dtype `auto` picks per device, autocast / GradScaler per dtype, TF32 on CUDA only."""
+"""Precision: the dtype `auto` gives per device (measured on CPUs, a rule on GPUs), autocast /
+GradScaler per dtype, TF32 on CUDA only."""
 
 import pytest
 import torch
@@ -8,10 +9,23 @@ from gptrain.training import precision
 from gptrain.training.precision import mixed_precision, resolve_dtype, set_matmul_precision
 
 
-@pytest.mark.parametrize("has_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
-def test_auto_on_cpu_follows_native_bf16(monkeypatch, has_bf16, expected):
-    monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: has_bf16)
-    assert resolve_dtype("auto", "cpu") == expected
+@pytest.mark.parametrize("measured", ["bfloat16", "float32"])
+def test_auto_on_cpu_is_the_measured_choice_never_cpu_flags(monkeypatch, measured):
+    """auto on a CPU is what choices.py measured; without a measurement float32 (never slow).
+    /proc/cpuinfo is not read: a CPU's flags say nothing of what oneDNN may use (the AVX2 tier
+    is emulated on AVX512-BF16 CPUs with ONEDNN_MAX_CPU_ISA=AVX2)."""
+    import builtins
+
+    real_open = builtins.open
+
+    def no_cpuinfo(path, *a, **k):
+        assert "cpuinfo" not in str(path), "resolve_dtype read the CPU flags"
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", no_cpuinfo)
+    assert resolve_dtype("auto", "cpu", measured=measured) == precision.DTYPES[measured]
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("float32", "cpu", measured="bfloat16") == torch.float32  # explicit wins
 
 
 @pytest.mark.parametrize(

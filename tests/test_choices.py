@@ -1,0 +1,255 @@
+"""Measured speed choices (gptrain/training/choices.py): the choice follows the timings, a cache
+hit times nothing, a damaged cache is ignored with a warning, explicit values win untimed, bad
+values are one line with exit code 2, and the real measurement stays within its bounds."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptrain.__main__ import main as cli
+from gptrain.errors import UserError
+from gptrain.training.choices import MARGIN, Shapes, decide
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = str(REPO / "configs" / "debug.toml")
+# configs/debug.toml's shapes (micro-batch 8, seq_len 64, 2 layers of width 64, 2 heads) with Muon
+DEBUG_SHAPES = Shapes(8, 64, 2, 64, 2, muon=((64, 64), (64, 256), (192, 64), (256, 64)))
+TINY = Shapes(2, 8, 1, 16, 2, muon=((16, 16), (48, 16)))
+
+
+class FakeTimer:
+    """Seconds per label ("block/bfloat16/matmul", "muon/float32", "bf16-probe/bfloat16"); records
+    each call and never runs the candidate."""
+
+    def __init__(self, **times):
+        self.times = {k.replace("__", "/").replace("_probe", "-probe"): v for k, v in times.items()}
+        self.calls = []
+
+    def __call__(self, label, fn, rival):
+        self.calls.append(label)
+        return self.times.get(label, 1.0)
+
+
+def native(**block_and_muon):  # bf16 at 0.4x float32's matmul time
+    return FakeTimer(bf16_probe__float32=1.0, bf16_probe__bfloat16=0.4, **block_and_muon)
+
+
+def test_the_choice_follows_the_fake_timer(tmp_path):
+    fast_bf16 = native(block__bfloat16__matmul=0.2, muon__float32=0.5, muon__bfloat16=1.0)
+    c = decide("cpu", TINY, "auto", "auto", "auto", timer=fast_bf16, cache_path=None)
+    assert (c.dtype, c.attention, c.muon_dtype) == ("bfloat16", "matmul", "float32")
+    assert c.how == {"dtype": "measured", "attention": "measured", "muon_dtype": "measured"}
+    assert sorted(c.block_ms) == ["bfloat16/matmul", "bfloat16/sdpa", "float32/matmul", "float32/sdpa"]  # fmt: skip
+    assert c.block_ms["bfloat16/matmul"] == 200.0 and c.muon_ms == {"float32": 500.0, "bfloat16": 1000.0}  # fmt: skip
+    assert "train.dtype=bfloat16" in c.line() and "bfloat16/matmul 200 ms" in c.line()
+
+    flipped = native(block__float32__sdpa=0.2, muon__float32=1.0, muon__bfloat16=0.3)
+    c = decide("cpu", TINY, "auto", "auto", "auto", timer=flipped, cache_path=None)
+    assert (c.dtype, c.attention, c.muon_dtype) == ("float32", "sdpa", "bfloat16")
+
+    # within MARGIN of the first candidate (float32, sdpa) is noise: the first one stays
+    close = native(block__float32__sdpa=1.0, block__bfloat16__matmul=1.0 - MARGIN / 2)
+    c = decide("cpu", TINY, "auto", "auto", None, timer=close, cache_path=None)
+    assert (c.dtype, c.attention, c.muon_dtype) == ("float32", "sdpa", None)
+
+
+def test_emulated_bf16_is_never_timed(tmp_path):
+    emulated = FakeTimer(bf16_probe__float32=1.0, bf16_probe__bfloat16=25.0, block__float32__matmul=0.5)  # fmt: skip
+    c = decide("cpu", TINY, "auto", "auto", "auto", timer=emulated, cache_path=None)
+    assert (c.dtype, c.attention, c.muon_dtype) == ("float32", "matmul", "float32")
+    assert c.bf16_ratio == 25.0 and c.how["dtype"] == c.how["muon_dtype"] == "measured: bf16 emulated"  # fmt: skip
+    timed = [label for label in emulated.calls if not label.startswith("bf16-probe")]
+    assert timed == ["block/float32/sdpa", "block/float32/matmul"]  # no bf16 block, no Muon timing
+
+
+def test_a_cache_hit_does_no_timing(tmp_path):
+    path = tmp_path / "speed_choices.json"
+    first = native(block__bfloat16__sdpa=0.3, muon__bfloat16=0.2)
+    a = decide("cpu", TINY, "auto", "auto", "auto", timer=first, cache_path=path)
+    assert len(first.calls) == 2 + 4 + 2 and path.is_file()
+
+    def no_timing(label, fn, rival):
+        raise AssertionError(f"timed {label} despite the cache")
+
+    t0 = time.perf_counter()
+    b = decide("cpu", TINY, "auto", "auto", "auto", timer=no_timing, cache_path=path)
+    assert time.perf_counter() - t0 < 0.1
+    assert (b.dtype, b.attention, b.muon_dtype) == (a.dtype, a.attention, a.muon_dtype) == ("bfloat16", "sdpa", "bfloat16")  # fmt: skip
+    assert b.block_ms == a.block_ms and b.muon_ms == a.muon_ms and not b.warnings
+    assert b.how == {"dtype": "cached", "attention": "cached", "muon_dtype": "cached"}
+    # other shapes are another key: timed again (only the block; the probe is the machine's)
+    other = native()
+    decide("cpu", Shapes(4, 8, 1, 16, 2), "auto", "auto", None, timer=other, cache_path=path)
+    assert other.calls == ["block/float32/sdpa", "block/float32/matmul", "block/bfloat16/sdpa", "block/bfloat16/matmul"]  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"version": 0, "entries": {}}', "[1, 2]"])
+def test_a_damaged_cache_file_is_ignored_with_a_warning(tmp_path, damage):
+    path = tmp_path / "speed_choices.json"
+    path.write_text(damage)
+    timer = native(block__float32__matmul=0.5)
+    c = decide("cpu", TINY, "auto", "auto", None, timer=timer, cache_path=path)
+    assert (c.dtype, c.attention) == ("float32", "matmul") and len(timer.calls) == 2 + 4
+    assert len(c.warnings) == 1 and "ignoring the damaged speed-choice cache" in c.warnings[0]
+    assert json.loads(path.read_text())["version"] == 1  # rewritten whole
+    assert not decide("cpu", TINY, "auto", "auto", None, timer=None, cache_path=path).warnings
+
+
+def test_a_damaged_entry_is_ignored_with_a_warning_and_timed_again(tmp_path):
+    path = tmp_path / "speed_choices.json"
+    decide("cpu", TINY, "auto", "auto", None, timer=native(), cache_path=path)
+    data = json.loads(path.read_text())
+    key = next(k for k in data["entries"] if k.startswith("block|"))
+    data["entries"][key]["float32/sdpa"] = "fast"  # a value no timing gives
+    path.write_text(json.dumps(data))
+    timer = native(block__bfloat16__sdpa=0.1)
+    c = decide("cpu", TINY, "auto", "auto", None, timer=timer, cache_path=path)
+    assert len(c.warnings) == 1 and "stale or damaged entry" in c.warnings[0] and key in c.warnings[0]  # fmt: skip
+    assert [x for x in timer.calls if x.startswith("block/")] == ["block/float32/sdpa", "block/float32/matmul", "block/bfloat16/sdpa", "block/bfloat16/matmul"]  # fmt: skip
+    assert (c.dtype, c.attention) == ("bfloat16", "sdpa")
+
+
+def test_explicit_values_win_without_timing():
+    def no_timing(label, fn, rival):
+        raise AssertionError(f"timed {label} for an explicit value")
+
+    c = decide("cpu", TINY, "float32", "sdpa", "float32", timer=no_timing, cache_path=None)
+    assert (c.dtype, c.attention, c.muon_dtype) == ("float32", "sdpa", "float32")
+    assert c.how == {"dtype": "config", "attention": "config", "muon_dtype": "config"}
+    c = decide("cpu", TINY, "bfloat16", "matmul", None, timer=no_timing, cache_path=None)
+    assert (c.dtype, c.attention, c.muon_dtype, c.bf16_ratio) == ("bfloat16", "matmul", None, None)
+    # one key explicit, the others timed: only the candidates the config leaves open
+    timer = native(block__float32__matmul=0.1)
+    c = decide("cpu", TINY, "float32", "auto", "float32", timer=timer, cache_path=None)
+    assert timer.calls == ["block/float32/sdpa", "block/float32/matmul"] and c.attention == "matmul"  # fmt: skip
+
+
+def test_muon_bfloat16_is_refused_where_bf16_is_emulated():
+    emulated = FakeTimer(bf16_probe__float32=1.0, bf16_probe__bfloat16=25.0)
+    with pytest.raises(UserError) as e:
+        decide("cpu", TINY, "float32", "sdpa", "bfloat16", timer=emulated, cache_path=None)
+    msg = str(e.value)
+    assert "optim.muon_dtype = 'bfloat16'" in msg and "25.0x" in msg and "optim.muon_dtype=float32" in msg  # fmt: skip
+    assert "\n" not in msg
+    c = decide("cpu", TINY, "float32", "sdpa", "bfloat16", timer=native(), cache_path=None)
+    assert c.muon_dtype == "bfloat16"  # native: as asked
+
+
+@pytest.mark.parametrize("key", ["train.dtype", "train.attention", "optim.muon_dtype"])
+def test_unknown_values_of_the_auto_keys_are_one_line_exit_2(byte_data, tmp_path, capsys, key):
+    run_dir = tmp_path / "r"
+    args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
+    assert cli([*args, f"--{key}=fastest"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{key} = 'fastest'; allowed: auto" in err[0]
+    assert not run_dir.exists()
+
+
+def test_muon_bfloat16_on_an_avx2_cpu_is_one_line_exit_2(byte_data, tmp_path):
+    """The real thing: torch and oneDNN limited to AVX2 (bf16 emulated, see the issue), a fresh
+    cache; the probe measures bf16 and the run stops before writing anything."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env["GPTRAIN_CACHE"] = str(tmp_path / "cache")
+    run_dir = tmp_path / "r"
+    args = ["--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
+    args += ["--optim.name=muon", "--optim.muon_dtype=bfloat16", "--log.progress=false"]
+    p = subprocess.run([sys.executable, "-m", "gptrain", "train", *args], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1, p.stderr
+    assert "optim.muon_dtype = 'bfloat16'" in err[0] and "use optim.muon_dtype=float32" in err[0]
+    assert not run_dir.exists() and not (tmp_path / "cache" / "speed_choices.json").exists()
+
+
+def test_real_measurement_is_bounded_and_leaves_the_global_rng_alone(tmp_path):
+    """configs/debug.toml's shapes, everything auto, with Muon: <= 3 s the first time (2 cores),
+    <= 0.1 s from the cache, and the global RNG untouched (exact resume depends on it)."""
+    path = tmp_path / "speed_choices.json"
+    state = torch.get_rng_state()
+    first = decide("cpu", DEBUG_SHAPES, "auto", "auto", "auto", cache_path=path)
+    if any("CPU cores from this one" in w for w in first.warnings):  # another job's threads
+        pytest.skip(f"other processes crowded this CPU while it timed: {first.warnings[0]}")
+    assert first.seconds <= 3.0, first.line()
+    assert torch.equal(state, torch.get_rng_state())
+    assert len(first.block_ms) in (2, 4) and all(v > 0 for v in first.block_ms.values())
+    second = decide("cpu", DEBUG_SHAPES, "auto", "auto", "auto", cache_path=path)
+    assert second.seconds <= 0.1 and set(second.how.values()) <= {"cached", "cached: bf16 emulated"}  # fmt: skip
+    assert (second.dtype, second.attention, second.muon_dtype) == (first.dtype, first.attention, first.muon_dtype)  # fmt: skip
+
+
+def test_a_run_shows_its_choices_in_the_first_line_and_summary(byte_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--log.progress=false"]  # fmt: skip
+    args += ["--train.max_steps=2", "--eval.every=0", "--eval.tokens=512", "--checkpoint.every=0"]
+    args += ["--optim.name=muon", "--optim.warmup_steps=1", "--eval.sample_every=0"]
+    assert cli(args) == 0
+    first = (run_dir / "train.log").read_text().splitlines()[0]
+    assert "speed choices in" in first and "train.dtype=float32 (config)" in first
+    assert "train.attention=" in first and "float32/sdpa" in first and "optim.muon_dtype=" in first
+    choices = json.loads((run_dir / "summary.json").read_text())["speed_choices"]
+    assert choices["dtype"] == "float32" and choices["attention"] in ("sdpa", "matmul")
+    assert choices["how"]["attention"] == "measured" and set(choices["block_ms"]) == {"float32/sdpa", "float32/matmul"}  # fmt: skip
+    assert choices["muon_dtype"] in ("float32", "bfloat16")
+
+
+def test_the_clock_keeps_each_candidate_within_its_share():
+    """Clock: warm-up + timed runs while the candidate's share lasts (at most MAX_RUNS); one
+    timed run when it is already STOP_FACTOR x slower than its rival; the warm-up alone when it
+    took the whole share or the budget is spent. Sleeps are lower bounds, so counts are exact."""
+    from gptrain.training.choices import MAX_RUNS, Clock
+
+    def sleeper(seconds):
+        calls = []
+
+        def fn():
+            calls.append(1)
+            time.sleep(seconds)
+
+        return fn, calls
+
+    clock = Clock(candidate_s=0.2, budget_s=10.0)
+    fn, calls = sleeper(0.001)
+    assert clock("fast", fn) >= 0.001 and len(calls) == 1 + MAX_RUNS
+    fn, calls = sleeper(0.06)  # warm-up + runs until 0.2 s are spent: 0.06, 0.12, 0.18, 0.24
+    clock("steady", fn)
+    assert len(calls) == 4
+    fn, calls = sleeper(0.03)
+    assert clock("slower", fn, rival=0.01) >= 0.03 and len(calls) == 2
+    fn, calls = sleeper(0.25)
+    assert clock("slow", fn) >= 0.25 and len(calls) == 1
+    spent = Clock(candidate_s=0.2, budget_s=0.05)
+    spent("first", sleeper(0.03)[0])  # 0.12 s in all: over this clock's budget
+    fn, calls = sleeper(0.001)
+    spent("late", fn)
+    assert len(calls) == 1
+
+
+def test_timings_on_a_crowded_cpu_are_used_but_not_cached(tmp_path, monkeypatch):
+    """Other processes taking this one's cores while it times (read from /proc/stat): the
+    choice stands for this run, the cache is not written (it would outlive the load), a warning."""
+    from gptrain.training import choices
+
+    path = tmp_path / "speed_choices.json"
+    crowded = native(block__float32__matmul=0.5)
+    crowded.crowding = lambda: 1.4
+    c = decide("cpu", TINY, "auto", "auto", None, timer=crowded, cache_path=path)
+    assert (c.dtype, c.attention) == ("float32", "matmul") and not path.exists()
+    assert len(c.warnings) == 1 and "took 1.4 CPU cores" in c.warnings[0]
+    calm = native()
+    calm.crowding = lambda: 0.2
+    decide("cpu", TINY, "auto", "auto", None, timer=calm, cache_path=path)
+    assert path.exists()
+    # the rule: on 4 CPUs with 2 threads timing, others may use 2 cores before they crowd it
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    start = (100.0, 10.0, 50.0)  # (CPU busy s, this process s, wall clock)
+    monkeypatch.setattr(choices, "_cpu_now", lambda: (104.0, 11.0, 51.0))  # others: 3 cores
+    assert choices._crowding(start) == pytest.approx(1.0 - 4 / os.sysconf("SC_CLK_TCK"))
+    monkeypatch.setattr(choices, "_cpu_now", lambda: (102.5, 11.0, 51.0))  # others: 1.5 cores
+    assert choices._crowding(start) == 0.0
