@@ -1,12 +1,57 @@
 """Shared fixtures: the verified test data beside the checkout, and a prepared byte-level corpus."""
 
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
 GPT2_DIR = SHARED / "gpt2"
+
+
+def bf16_matmul_slowdown() -> float:
+    """How many times the CPU time of a 512^3 float32 matmul a bf16 one takes on this CPU: about
+    0.5-1 where bf16 is native (AVX512-BF16, AMX), 25-50 where it is emulated (AVX2-only CPUs, or
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2). One thread's CPU time, not wall time, so
+    that other jobs on the machine (or threads spinning while they wait) do not move it. Measured
+    once per test process."""
+    global _BF16_SLOWDOWN
+    if _BF16_SLOWDOWN is None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        a = torch.randn(512, 512)
+        times = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            x = a.to(dtype)
+            x @ x  # warm-up
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.process_time()
+                x @ x
+                best = min(best, time.process_time() - t0)
+            times[dtype] = max(best, 1e-6)
+        torch.set_num_threads(threads)
+        _BF16_SLOWDOWN = times[torch.bfloat16] / times[torch.float32]
+    return _BF16_SLOWDOWN
+
+
+_BF16_SLOWDOWN: float | None = None
+
+
+def bf16_is_emulated() -> bool:
+    return bf16_matmul_slowdown() > 4
+
+
+def skip_where_bf16_is_emulated(what: str):
+    """For tests whose bf16 training runs are sized for native bf16: on a CPU that emulates it
+    (25-50x slower) they would take many minutes, so they are skipped there with the measurement."""
+    return pytest.mark.skipif(
+        bf16_is_emulated(),
+        reason=f"{what}: bf16 is emulated on this CPU (a bf16 matmul takes "
+        f"{bf16_matmul_slowdown():.0f}x float32's); runs where bf16 is native",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import time
 import dist_helpers as h
 import pytest
 import torch
+from conftest import skip_where_bf16_is_emulated
 from safetensors.torch import load_file
 from test_train import comparable
 
@@ -394,6 +395,7 @@ def test_bad_input_unreachable_rendezvous(byte_data, tmp_path):
     one_line_errors(h.wait_all(host, 60), "rank 0: not all 2 processes reached the rendezvous")
 
 
+@skip_where_bf16_is_emulated("a 2-rank bf16 FSDP2 training run")
 def test_fsdp_bf16_mixed_precision_under_torchrun(runs, byte_data, tmp_path):
     """`torchrun --standalone --nproc_per_node=2` with FSDP2 and bf16 compute (MixedPrecisionPolicy,
     fp32 reduction): trains, keeps fp32 master weights, and its losses track the fp32 run's."""
