@@ -29,7 +29,7 @@ from gptrain.config.sections import Config, load_config
 from gptrain.distributed import failures, faults, launch
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.watchdog import Watchdog, flight_recorder_env
-from gptrain.training import batch
+from gptrain.training import attempts, batch
 from gptrain.training import run as phases
 from gptrain.training.guards import NonFiniteStop, Preemption
 from gptrain.training.optim import lr_at, set_lr
@@ -39,13 +39,28 @@ from gptrain.training.step import train_step
 def train(cfg: Config, info: dist.DistInfo) -> dict:
     """Run one training job; returns the summary dict (also written to run.dir/summary.json)."""
     log_path = os.path.join(cfg.run.dir, "train.log") if info.is_main else None
-    with Watchdog(cfg.dist.hang_timeout_s, info.rank, log_path) as watchdog:  # phase: start
-        return _train(cfg, info, watchdog)
+    preemption = Preemption().install()  # from the first moment: a signal in start-up counts too
+    try:
+        # the hang watchdog (phase: start), then the restart ledger: a start in a crash loop
+        # ends here (CrashLoop, exit 4); the ledger records how this attempt ends
+        with Watchdog(cfg.dist.hang_timeout_s, info.rank, log_path) as watchdog, attempts.Ledger(cfg.run, info) as ledger:  # fmt: skip
+            watchdog.on_expiry, preemption.on_signal = ledger.hung, ledger.signal
+            return _train(cfg, info, watchdog, ledger, preemption)
+    finally:
+        preemption.restore()
 
 
-def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
+def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preemption: Preemption) -> dict:  # fmt: skip
     t = cfg.train
     run = phases.start(cfg, info)  # data, resume, model, loader, logger: every bad input fails here
+    ledger.run, ledger.training = run, True
+    if preemption.agreed():  # signalled during start-up: nothing trained, nothing new to save
+        ledger.outcome = "preempted"
+        run.logger.text(
+            f"stopped by {preemption.received or 'a signal to another rank'} during start-up, before step {run.step + 1}; nothing new to save; run the same command to resume"
+        )
+        run.close()
+        return {"steps": run.step, "tokens": run.tokens, "world_size": info.world_size, "stopped_by": preemption.received or "signal"}  # fmt: skip
     if run.ckpt is None and cfg.eval.every > 0:  # the untrained baseline: curves start at step 0
         watchdog.enter("eval", 0)
         run.logger.log(0, {"tokens": 0, **phases.eval_and_sample(run, 0, True, False)})
@@ -59,7 +74,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     # the loop; the watchdog only hears of phase boundaries (a clock read each, no sync)
     run.t_start = t_log = time.perf_counter()
     steps_since_log, last = 0, {}  # last: the latest logged metrics and eval results
-    preemption, stopped_by = Preemption().install(), None
+    stopped_by = None
     try:
         while run.step < t.max_steps:
             watchdog.enter("step", run.step + 1)
@@ -126,11 +141,10 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
             )
         run.close()
         raise
-    finally:
-        preemption.restore()
     watchdog.stop()
     run.loader.close()
     if stopped_by:  # the run is not finished: no final summary or plot
+        ledger.outcome = "preempted"
         run.close()
         return {"steps": run.step, "tokens": run.tokens, "world_size": info.world_size, "stopped_by": stopped_by}  # fmt: skip
     if run.bar:
@@ -159,6 +173,9 @@ def main(argv: list[str]) -> int:
         finished = True
     except KeyboardInterrupt:
         return 130
+    except attempts.CrashLoop as e:  # the last run.max_failed_attempts starts made no progress
+        print(f"gptrain: error: {e}", file=sys.stderr)
+        return attempts.EXIT_CRASH_LOOP
     except NonFiniteStop as e:  # train.nonfinite = stop, or train.max_skips reached
         print(f"gptrain: error: {e}", file=sys.stderr)
         return 1

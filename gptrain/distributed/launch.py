@@ -22,6 +22,7 @@ from gptrain.distributed.runtime import cpu_cores
 from gptrain.errors import UserError, first_line
 
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # torchrun's defaults + USR1
+HUNG, CRASH_LOOP = 3, 4  # the workers' exit codes: watchdog.EXIT_CODE, attempts.EXIT_CRASH_LOOP
 SHUTDOWN_S = 120  # seconds the workers get to save after a forwarded signal
 
 
@@ -86,8 +87,9 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
     launcher, torch.distributed.run: standalone, or one of cfg.nnodes machines meeting at a c10d
     rendezvous (the same command runs on every node).
 
-    Returns 0, 2 for bad input (every failed worker exited with 2 after printing one line, or the
-    rendezvous could not be reached), else 1."""
+    Returns 0; 4 when the workers refused to start in a crash loop; 3 when one hung (watchdog);
+    2 for bad input (every failed worker exited with 2 after printing one line, or the rendezvous
+    could not be reached); else 1."""
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -120,6 +122,9 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
             f"gptrain: error: worker rank {ranks} failed (exit code {', '.join(map(str, codes))})",
             file=sys.stderr,
         )
+        for code in (CRASH_LOOP, HUNG):  # the others were stopped by the launcher: any code
+            if code in codes:
+                return code
         return 2 if codes == [2] else 1
     except RendezvousError as e:
         raise UserError(

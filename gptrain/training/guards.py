@@ -35,6 +35,7 @@ class Preemption:
     def __init__(self) -> None:
         self.received: str | None = None
         self._previous: dict = {}
+        self.on_signal = None  # called with the first signal's name (the restart ledger's mark)
 
     def install(self) -> Preemption:
         if (
@@ -45,6 +46,8 @@ class Preemption:
         return self
 
     def _handler(self, signum, frame) -> None:
+        if self.received is None and self.on_signal is not None:
+            self.on_signal(signal.Signals(signum).name)
         self.received = self.received or signal.Signals(signum).name
 
     def restore(self) -> None:
