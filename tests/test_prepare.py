@@ -615,3 +615,29 @@ def test_hf_stream_retries_then_one_line(tmp_path, monkeypatch, capsys):
     fail_at["always"] = True
     code, err = run_cli(capsys, "--input", "hf:some/set", "--out", tmp_path / "e")
     assert code == 2 and err.count("\n") == 1 and "after 4 tries" in err and "connection reset" in err  # fmt: skip
+
+
+def test_a_worker_killed_is_one_line_and_parts_are_kept(tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    from gptrain.data import parts
+
+    src = corpus(tmp_path, files=8, rows=10)
+    real = parts.encode_long
+
+    def dies_on_file_5(tok, text):  # runs in a forked worker, never pickled
+        if text.endswith(" 5."):
+            os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would
+        return real(tok, text)
+
+    monkeypatch.setattr(parts, "encode_long", dies_on_file_5)
+    code, err = run_cli(capsys, "--input", src, "--out", tmp_path / "out", "--workers", "2")
+    assert code == 2 and err.count("\n") == 1 and "a tokenizing process died" in err
+    assert "run the same command again" in err and not (tmp_path / "out").exists()
+    assert len(list((tmp_path / ".out.parts").glob("*.json"))) >= 3
+    monkeypatch.setattr(parts, "encode_long", real)
+    code, err = run_cli(capsys, "--input", src, "--out", tmp_path / "out", "--workers", "2")
+    assert code == 0 and "resumed: " in err
+    prepare([str(src)], tmp_path / "ref", progress=False)
+    assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "ref")

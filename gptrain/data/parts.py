@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -327,6 +328,11 @@ def run_parts(items, tok, workdir: Path, settings: dict, workers: int, bar) -> l
                     _collect(pending, records, bar, FIRST_COMPLETED)
             while pending:
                 _collect(pending, records, bar, FIRST_COMPLETED)
+        except BrokenProcessPool:
+            raise UserError(
+                f"a tokenizing process died (killed, or out of memory?); the {len(records)} finished "
+                f"parts are kept in {workdir}: run the same command again (fewer --workers if memory is short)"
+            ) from None
         finally:
             _tokenizer = None
             pool.shutdown(wait=True, cancel_futures=True)
