@@ -53,10 +53,16 @@ def test_the_choice_follows_the_fake_timer(tmp_path):
     c = decide("cpu", TINY, "auto", "auto", "auto", timer=flipped, cache_path=None)
     assert (c.dtype, c.attention, c.muon_dtype) == ("float32", "sdpa", "bfloat16")
 
-    # within MARGIN of the first candidate (float32, sdpa) is noise: the first one stays
+    # within MARGIN of the fastest is noise: the first such candidate in the order
     close = native(block__float32__sdpa=1.0, block__bfloat16__matmul=1.0 - MARGIN / 2)
     c = decide("cpu", TINY, "auto", "auto", None, timer=close, cache_path=None)
     assert (c.dtype, c.attention, c.muon_dtype) == ("float32", "sdpa", None)
+    close = native(block__bfloat16__sdpa=0.5, block__bfloat16__matmul=0.5 * (1 - MARGIN / 2))
+    c = decide("cpu", TINY, "auto", "auto", None, timer=close, cache_path=None)
+    assert (c.dtype, c.attention) == ("bfloat16", "sdpa")
+    clear = native(block__bfloat16__sdpa=0.5, block__bfloat16__matmul=0.5 * (1 - 2 * MARGIN))
+    c = decide("cpu", TINY, "auto", "auto", None, timer=clear, cache_path=None)
+    assert (c.dtype, c.attention) == ("bfloat16", "matmul")
 
 
 def test_emulated_bf16_is_never_timed(tmp_path):

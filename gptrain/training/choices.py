@@ -21,8 +21,8 @@ Each candidate: one warm-up run, then timed runs until CANDIDATE_S is spent (at 
 at least one), the best kept; a candidate already STOP_FACTOR x slower than the best so far after
 its first timed run is not run again; a warm-up longer than CANDIDATE_S, or one after BUDGET_S in
 all, is the candidate's timing. With at most 2 + 4 + 2 candidates the start-up stays under ~3 s
-on 2 cores. The first candidate (float32, sdpa) is kept unless another is MARGIN faster, more
-than the timing noise, so a choice does not flip between close candidates.
+on 2 cores. The choice is the first candidate (float32 before bf16, sdpa before matmul) within
+MARGIN of the fastest: closer than that is timing noise, and a choice should not flip on noise.
 
 The timings are cached as JSON in cache_dir()/speed_choices.json, keyed by the machine (CPU model
 name, torch's CPU capability, ONEDNN_MAX_CPU_ISA and threads; or the GPU's name), the torch
@@ -358,9 +358,9 @@ def _crowding(start: tuple | None) -> float:
 
 
 def _pick(times: dict, order: list) -> str:
-    """The fastest candidate, unless the first of `order` is within MARGIN of it."""
-    best = min(order, key=times.__getitem__)
-    return best if times[best] < (1 - MARGIN) * times[order[0]] else order[0]
+    """The first candidate of `order` within MARGIN of the fastest: closer is timing noise."""
+    fastest = min(times[c] for c in order)
+    return next(c for c in order if (1 - MARGIN) * times[c] <= fastest)
 
 
 def _block_flops(s: Shapes) -> float:
