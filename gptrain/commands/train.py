@@ -85,6 +85,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
                     run.wrapped, run.model, run.optimizer, run.scaler, run.loader.next_batch,
                     run.accum, run.autocast, cfg.optim.grad_clip, guard=run.nonfinite, step=run.step + 1,
                 )  # fmt: skip
+            run.spikes.record(run.step + 1, loss_sum, grad_norm)  # train.spike: no sync here
             run.step += 1
             run.tokens += t.total_batch_size
             steps_since_log += 1
@@ -97,19 +98,25 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
             log_now = log_now or phases.hellaswag_due(run, step)
             save_now = final or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
             stop = preemption.agreed()  # one tiny CPU all-reduce: did any rank get SIGTERM/USR1?
-            if log_now or save_now or stop:  # steps that sync anyway: the non-finite policy
+            if log_now or save_now or stop:  # steps that sync anyway: non-finite and spike policies
                 bad_step = run.nonfinite.check(step)  # raises NonFiniteStop (stop, max_skips)
-                if bad_step is not None:  # rollback
+                spike = run.spikes.check(run.logger)  # raises NonFiniteStop (train.spike = stop)
+                why = "non-finite loss or gradient norm"
+                if spike is not None and (bad_step is None or spike < bad_step):
+                    bad_step, why = spike, "loss spike"
+                if bad_step is not None:  # rollback: past the first bad step's batch
                     watchdog.enter("save", step)  # reading a checkpoint: the save's budget
                     phases.publish(run)  # a pending save is a checked step's: roll back to it
                     run.rollbacks += 1
-                    phases.roll_back(run, bad_step, step)
+                    phases.roll_back(run, bad_step, step, why)
                     steps_since_log, t_log = 0, time.perf_counter()
                     if run.bar:
                         run.bar.n = run.step
                     continue
             if log_now:
                 metrics = phases.step_metrics(run, loss_sum, grad_norm, lr, steps_since_log, t_log)
+                if t.spike != "off":
+                    metrics.update(spikes=run.spikes.count, rollbacks=run.rollbacks)
             if save_now or stop:  # before eval: an eval that fails cannot cost the checkpoint
                 watchdog.enter("save", step)
                 saved_path = phases.save(run, wait=final or stop)  # complete before exiting

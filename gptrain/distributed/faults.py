@@ -6,8 +6,9 @@
     GPTRAIN_FAULT=stall_save@100/0    rank 0's checkpoint write of step 100 blocks forever
 
 STEP is the optimizer step being trained (1 is the first); without /RANK a fault fires on every
-rank. A fault fires each time its step is trained in a process (a run resumed before that step
-meets it again). Unset or empty, nothing here costs anything: `in_step` returns one shared null
+rank. A fault fires the first time its step is trained in a process (a `spike` rolled back past
+does not come back), and again in a new process that trains that step (a run resumed from before
+it). Unset or empty, nothing here costs anything: `in_step` returns one shared null
 context and `stall_save` returns at once. An unknown kind or a malformed entry is one line
 (UserError, exit 2) before anything starts. `install` is called once per process by
 `gptrain train`; the loop and the checkpoint entry point ask this module at their spots.
@@ -86,6 +87,7 @@ def in_step(step: int, model):
         while True:
             time.sleep(3600)
     if fires("spike", step):
+        del _active[("spike", step)]  # once per process: a rollback past it does not meet it again
         return _spiked(model)
     return _NULL
 

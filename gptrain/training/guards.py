@@ -15,12 +15,16 @@
   GradScaler's overflow steps are routine (it skips them and lowers its scale while it
   calibrates, and again each time it tries a higher scale): they are counted as skipped, and
   stop / rollback act only when max_skips consecutive steps overflow (the scaler cannot recover).
+- `Spikes`: finite loss spikes (train.spike): a z-score of the global loss and gradient norm over
+  a window of steps, decided on the same sync points; rollback reuses `roll_back`.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
+from collections import deque
 
 import torch
 
@@ -137,3 +141,83 @@ class NonFinite:
 
     def set_count(self, n: int) -> None:
         self.skipped.fill_(n)
+
+
+class Spikes:
+    """train.spike: a finite loss spike is a step whose global loss or gradient norm lies more
+    than train.spike_z standard deviations above the mean of the last train.spike_window
+    accepted steps (only upwards; decided once the window is full; spikes and non-finite steps
+    never enter it). `record` keeps each step's loss and norm tensors (no sync); `check`, on the
+    loop's sync points, averages the pending losses over the ranks in one all-reduce, reads
+    them once, and applies the policy: log (a line per spike), stop (NonFiniteStop) or rollback
+    (returns the first spike's step). The window is part of the checkpoint (`state_dict`)."""
+
+    def __init__(self, policy: str, z: float, window: int) -> None:
+        self.policy, self.z, self.window = policy, z, window
+        self.losses: deque[float] = deque(maxlen=window)
+        self.norms: deque[float] = deque(maxlen=window)
+        self.count = 0  # spikes seen in this run (restored on resume)
+        self._pending: list = []  # (step, loss tensor, grad norm tensor) since the last check
+
+    def record(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        if self.policy != "off":
+            self._pending.append((step, loss_sum, grad_norm))
+
+    def check(self, logger) -> int | None:
+        """Collective, at a sync point (before step_metrics, which reduces the loss in place)."""
+        if not self._pending:
+            return None
+        steps = [s for s, _, _ in self._pending]
+        losses = dist.all_reduce_mean(torch.stack([loss.float() for _, loss, _ in self._pending]))
+        norms = [g.full_tensor() if hasattr(g, "full_tensor") else g for _, _, g in self._pending]
+        values = torch.stack([losses, torch.stack(norms).float().to(losses.device)]).tolist()
+        self._pending.clear()
+        first = None
+        for step, loss, norm in zip(steps, *values, strict=True):
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                continue  # the non-finite guard's business
+            z_loss, z_norm = _z(loss, self.losses), _z(norm, self.norms)
+            if max(z_loss, z_norm) <= self.z:
+                self.losses.append(loss)
+                self.norms.append(norm)
+                continue
+            self.count += 1
+            first = step if first is None else first
+            logger.text(
+                f"step {step}: loss spike: loss {loss:.4f} (z = {z_loss:.1f}), grad norm {norm:.4g} (z = {z_norm:.1f}) "
+                f"against the last {self.window} steps (train.spike_z = {self.z}, train.spike = {self.policy})"
+            )
+        if first is None or self.policy == "log":
+            return None
+        if self.policy == "stop":
+            raise NonFiniteStop(
+                f"step {first}: loss spike (more than train.spike_z = {self.z} standard deviations above the last {self.window} steps) and train.spike = stop; nothing was saved after it. "
+                "Resume from the last checkpoint with a lower optim.lr, or use train.spike=rollback"
+            )
+        return first
+
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses), "norms": list(self.norms), "count": self.count}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's window (none: an older checkpoint, or the detector was off)."""
+        state = state or {}
+        self.losses = deque(state.get("losses", []), maxlen=self.window)
+        self.norms = deque(state.get("norms", []), maxlen=self.window)
+        self.count = state.get("count", 0)
+        self._pending.clear()
+
+    def rewind(self, state: dict | None) -> None:
+        """A rollback: the checkpoint's window; the spikes seen since still count."""
+        count = self.count
+        self.load_state_dict(state)
+        self.count = count
+
+
+def _z(x: float, history: deque) -> float:
+    """How many standard deviations x lies above the window's mean (0 until the window is full)."""
+    if len(history) < history.maxlen:
+        return 0.0
+    mean = sum(history) / len(history)
+    std = math.sqrt(sum((h - mean) ** 2 for h in history) / len(history))
+    return (x - mean) / std if std > 0 else (math.inf if x > mean else 0.0)
