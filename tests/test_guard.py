@@ -401,7 +401,7 @@ def test_sigusr1_to_gptrains_own_launcher_reaches_the_workers(byte_data, tmp_pat
 
 def test_a_step_that_saves_and_evaluates_saves_first(byte_data, tmp_path, monkeypatch):
     """An eval that dies (out of memory) on a step that also saves cannot cost its checkpoint."""
-    import gptrain.training.run as phases
+    import gptrain.evals.val as val
 
     calls = []
 
@@ -411,7 +411,7 @@ def test_a_step_that_saves_and_evaluates_saves_first(byte_data, tmp_path, monkey
             raise RuntimeError("out of memory (simulated)")
         return 5.0, 7.0
 
-    monkeypatch.setattr(phases, "evaluate", failing_eval)
+    monkeypatch.setattr(val, "evaluate", failing_eval)
     with pytest.raises(RuntimeError, match="out of memory"):
         run(byte_data, tmp_path / "run", "train.max_steps=4", "checkpoint.every=2", *QUICK[1:], "eval.every=2")  # fmt: skip
     assert checkpoint.latest(tmp_path / "run").name == "step_00000002"

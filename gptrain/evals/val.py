@@ -15,6 +15,7 @@ import torch
 
 from gptrain.data.loader import IGNORE_INDEX, Dataset, val_batches
 from gptrain.distributed import runtime as dist
+from gptrain.evals.task import Outcome
 
 
 @torch.no_grad()
@@ -37,3 +38,20 @@ def evaluate(model, dataset: Dataset, *, seq_len: int, micro_batch_size: int, ev
     model.train()
     loss_sum, tokens, nbytes = sums.tolist()
     return loss_sum / tokens, loss_sum / math.log(2) / max(nbytes, 1)
+
+
+class ValLoss:
+    """The validation task (evals/task.py's shape): loss and bits per byte on the first
+    `eval_tokens` tokens of the val split, the same tokens on every run and world size."""
+
+    name = "val"
+
+    def __init__(self, dataset: Dataset, *, seq_len: int, micro_batch_size: int, eval_tokens: int, byte_lengths: torch.Tensor):  # fmt: skip
+        self.dataset, self.seq_len, self.mb = dataset, seq_len, micro_batch_size
+        self.eval_tokens, self.byte_lengths = eval_tokens, byte_lengths
+
+    def run(self, model, info: dist.DistInfo, autocast) -> Outcome:
+        loss, bpb = evaluate(model, self.dataset, seq_len=self.seq_len, micro_batch_size=self.mb, eval_tokens=self.eval_tokens, info=info, autocast=autocast, byte_lengths=self.byte_lengths)  # fmt: skip
+        return Outcome(
+            {"val_loss": loss, "val_bpb": bpb}, f"val loss {loss:.4f}, val bpb {bpb:.4f}"
+        )

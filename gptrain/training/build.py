@@ -11,6 +11,7 @@ from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.host import keep_freed_memory
 from gptrain.errors import UserError
+from gptrain.training.choices import Choices, for_run
 from gptrain.training.precision import mixed_precision, resolve_dtype, set_matmul_precision
 
 
@@ -86,10 +87,21 @@ def _random(cfg: Config, vocab_size: int, saved_arch: dict | None):
     )
 
 
-def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str, compile: bool, saved_arch: dict | None = None):  # fmt: skip
+class Built(tuple):
+    """build_training's result: unpacks as (model, wrapped, optimizer, compute dtype, autocast,
+    scaler), and `.choices` holds the measured speed choices behind it (training/choices.py)."""
+
+    def __new__(cls, items: tuple, choices: Choices):
+        built = super().__new__(cls, items)
+        built.choices = choices
+        return built
+
+
+def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str, compile: bool, saved_arch: dict | None = None) -> Built:  # fmt: skip
     """(model, wrapped, optimizer, compute dtype, autocast, scaler), in this order: the model with
     the same initialisation on every rank (same seed), parallelism applied from outside, then the
-    optimizer over the (possibly sharded) parameters.
+    optimizer over the (possibly sharded) parameters. train.dtype (`dtype`), train.attention and
+    optim.muon_dtype = auto are decided by timing the run's shapes (training/choices.py).
 
     FSDP2 with a random init: the model is built on the `meta` device (no memory), sharded, then
     each rank allocates only its shards (`to_empty`) and initialises them (`init_sharded`), so no
@@ -108,8 +120,9 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
         )
     if not on_meta:
         model = model.to(info.device)
-    ptdtype = resolve_dtype(dtype, info.device_type, fsdp)
-    model.set_attention(attention_kernel(cfg.train.attention, info.device_type, cfg.train.seq_len, ptdtype))  # fmt: skip
+    choices = for_run(cfg, info, model, dtype, fsdp)  # timed once per machine and shapes
+    ptdtype = resolve_dtype(dtype, info.device_type, fsdp, measured=choices.dtype)
+    model.set_attention(attention_kernel(cfg.train.attention, choices.attention))
     set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
     if info.device_type == "cpu":
         keep_freed_memory()  # no page faults for every step's activations (host.py)
@@ -123,22 +136,15 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     )
     if on_meta:  # the same RNG state as build_model's init_weights above: nothing drew since
         init_sharded(model, info.device)
-    optimizer = build_optimizer(model, cfg.optim, device_type=info.device_type)
+    optimizer = build_optimizer(model, cfg.optim, device_type=info.device_type, muon_dtype=choices.muon_torch_dtype)  # fmt: skip
     autocast, scaler = mixed_precision(ptdtype, info.device_type)
-    return model, wrapped, optimizer, ptdtype, autocast, scaler
+    return Built((model, wrapped, optimizer, ptdtype, autocast, scaler), choices)
 
 
-def attention_kernel(choice: str, device_type: str, seq_len: int, dtype: torch.dtype) -> str:
-    """train.attention: auto is matmul (attention.matmul_attention) on a CPU computing in bf16 or fp16
-    with windows <= 256 tokens, where SDPA's CPU flash kernel is slow in bf16 (AMD EPYC, one
-    layer's forward + backward against SDPA: T = 128 0.42x the time, T = 256 0.60x; the bench
-    step 0.8x), else sdpa. Longer windows were faster too (T = 1024 0.71x), but matmul keeps
-    every block's probabilities for backward (6 bytes per score: GPT-2 124M at 4 x 1024 would
-    hold ~1.9 GB more), so auto stops at 256; in float32 SDPA is as fast."""
-    if choice != "auto":
-        return choice
-    low = dtype in (torch.bfloat16, torch.float16)
-    return "matmul" if device_type == "cpu" and low and seq_len <= 256 else "sdpa"
+def attention_kernel(choice: str, measured: str) -> str:
+    """train.attention: an explicit sdpa or matmul as given; auto is the kernel measured faster
+    on one block of the run's shapes (choices.py; matmul only while its kept probabilities fit)."""
+    return measured if choice == "auto" else choice
 
 
 def init_sharded(model: torch.nn.Module, device: str) -> None:

@@ -34,7 +34,7 @@ from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
 from gptrain.evals.hellaswag import HellaSwag, task_for
-from gptrain.evals.val import evaluate
+from gptrain.evals.val import ValLoss
 from gptrain.logs.loggers import (
     NullLogger,
     RunLogger,
@@ -43,9 +43,16 @@ from gptrain.logs.loggers import (
     scorecard_hparams,
     scorecard_metrics,
 )
-from gptrain.logs.mfu import format_duration, measure_peak_flops, mfu, synchronize
+from gptrain.logs.mfu import (
+    checked_mfu,
+    format_duration,
+    format_flops,
+    measure_peak_flops,
+    synchronize,
+)
 from gptrain.training import batch
 from gptrain.training.build import build_training
+from gptrain.training.choices import Choices
 from gptrain.training.guards import NonFinite, NonFiniteStop
 
 EVAL_KEYS = ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm")
@@ -67,7 +74,7 @@ class Run:
     mb: int
     accum: int
     loader: TrainLoader
-    byte_lengths: torch.Tensor
+    val: ValLoss  # evals/task.py's shape, like hellaswag
     nonfinite: NonFinite
     hellaswag: HellaSwag | None
     logger: NullLogger  # a RunLogger on the main process
@@ -75,6 +82,7 @@ class Run:
     meta: dict  # what every checkpoint's meta.json records besides the counters
     ckpt: Path | None  # the checkpoint resumed from
     peak: float = 1.0  # measured peak FLOP/s of this device (main process)
+    choices: Choices | None = None  # the measured speed choices (training/choices.py)
     flops_per_token: float = 0.0
     step: int = 0
     tokens: int = 0
@@ -119,9 +127,10 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
                 f"data in {data_dir} uses tokenizer {tokenizer.identity().get('name')!r} but checkpoint {ckpt} was trained with {saved_tok.get('name')!r}; use the same data.dir/data.tokenizer or a new run.dir"
             )
 
-    model, wrapped, optimizer, ptdtype, autocast, scaler = build_training(
+    built = build_training(
         cfg, info, dataset.vocab_size, t.dtype, t.compile, saved_arch=saved.get("model")
     )
+    model, wrapped, optimizer, ptdtype, autocast, scaler = built
     # micro_batch_size = auto on a GPU: the largest candidate that fits (trial steps)
     mb, accum = batch.resolve(t, info, wrapped, model, autocast, dataset.vocab_size)
     dist.check_options(cfg.dist, accum, info)
@@ -149,7 +158,13 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
         mb=mb,
         accum=accum,
         loader=loader,
-        byte_lengths=torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device),
+        val=ValLoss(
+            dataset,
+            seq_len=t.seq_len,
+            micro_batch_size=mb,
+            eval_tokens=cfg.eval.tokens,
+            byte_lengths=torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device),
+        ),
         nonfinite=NonFinite(t.nonfinite, t.max_skips, optimizer, scaler, info.device, fsdp),
         hellaswag=task_for(
             cfg.eval.hellaswag,
@@ -169,6 +184,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
             "config": to_toml(cfg),
         },
         ckpt=ckpt,
+        choices=built.choices,
         flops_per_token=model.flops_per_token(t.seq_len),
         best={k: saved[k] for k in ("best_val_loss", "best_val_step") if k in saved},
     )
@@ -222,9 +238,10 @@ def _start_logging(run: Run, skipped_ckpts: list[str]) -> None:
     run.logger.text(
         f"{'resumed from ' + str(run.ckpt) if run.ckpt else 'starting'}: {run.model.num_params():,} parameters, world size {info.world_size}, "
         f"micro-batch {run.mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {run.accum}, {t.total_batch_size:,} tokens/step, dtype {str(run.ptdtype).removeprefix('torch.')}, "
-        f"device {info.device}, measured peak {run.peak / 1e12:.2f} TFLOP/s"
+        f"device {info.device}, measured peak {format_flops(run.peak)}; {run.choices.line()}"
     )
-    for warning in skipped_ckpts:  # damaged newer checkpoints that resume fell back from
+    # the speed-choice cache's, and damaged newer checkpoints that resume fell back from
+    for warning in run.choices.warnings + skipped_ckpts:
         run.logger.text(f"warning: {warning}")
 
 
@@ -240,26 +257,15 @@ def eval_and_sample(run: Run, step: int, eval_now: bool, sample_now: bool) -> di
 
     cfg, logger, out = run.cfg, run.logger, {}
     if eval_now:
-        out["val_loss"], out["val_bpb"] = evaluate(
-            run.wrapped,
-            run.dataset,
-            seq_len=cfg.train.seq_len,
-            micro_batch_size=run.mb,
-            eval_tokens=cfg.eval.tokens,
-            info=run.info,
-            autocast=run.autocast,
-            byte_lengths=run.byte_lengths,
-        )
-        logger.text(f"step {step}: val loss {out['val_loss']:.4f}, val bpb {out['val_bpb']:.4f}")
+        val = run.val.run(run.wrapped, run.info, run.autocast)
+        out.update(val.metrics)
+        logger.text(f"step {step}: {val.line}")
         if out["val_loss"] < run.best.get("best_val_loss", math.inf):
             run.best.update(best_val_loss=out["val_loss"], best_val_step=step)
     if hellaswag_due(run, step):
-        result = run.hellaswag.score(run.wrapped, run.info, run.autocast)
-        out.update(result.metrics())
-        cut = f", {result.truncated} truncated on the left to the model's context" if result.truncated else ""  # fmt: skip
-        logger.text(
-            f"step {step}: hellaswag acc {result.acc:.4f}, acc_norm {result.acc_norm:.4f} ({len(result.labels)} examples{cut})"
-        )
+        scored = run.hellaswag.run(run.wrapped, run.info, run.autocast)
+        out.update(scored.metrics)
+        logger.text(f"step {step}: {scored.line}")
     if sample_now:  # every rank generates (FSDP needs all ranks in each forward); main prints
         with run.autocast:
             text = generate_text(
@@ -314,13 +320,17 @@ def step_metrics(run: Run, loss_sum, grad_norm, lr: float, steps: int, since: fl
         grad_norm = grad_norm.full_tensor()
     synchronize(run.info.device)
     tok_per_s = steps * t.total_batch_size / (time.perf_counter() - since)
+    # MFU <= 1: an achieved rate above the measured peak raises the peak, with a warning
+    mfu_now, run.peak, warning = checked_mfu(tok_per_s, run.flops_per_token, run.peak, run.info.world_size)  # fmt: skip
+    if warning:
+        run.logger.text(f"warning: step {run.step}: {warning}")
     metrics = {
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm.item(),
         "tokens": run.tokens,
         "tok_per_s": tok_per_s,
-        "mfu": mfu(tok_per_s, run.flops_per_token, run.peak * run.info.world_size),
+        "mfu": mfu_now,
         "skipped": run.nonfinite.count(),
     }
     if t.nonfinite == "rollback":
@@ -364,6 +374,7 @@ def finish(run: Run, last: dict) -> dict:
         "mfu": mfu_now,
         "world_size": run.info.world_size,
         "micro_batch_size": run.mb,
+        "speed_choices": run.choices.as_dict(),  # each choice, how it was made, its timings
     }
     if run.info.is_main:
         run_dir = run.cfg.run.dir
