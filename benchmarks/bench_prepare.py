@@ -170,7 +170,8 @@ def main() -> None:
             run_prepare(Path(tmp) / "killed", files, args.workers, kill_at=n_groups / 2)
             rerun = run_prepare(Path(tmp) / "killed", files, args.workers)
         rows.append((mb, docs, tokens, ref_s, full, rerun))
-    print(f"\n{os.cpu_count()} CPUs, {args.workers} workers, GPT-2 tokenizer\n")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "?")  # fmt: skip
+    print(f"\n{cpu}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.workers} workers, GPT-2 tokenizer\n")  # fmt: skip
     print("| corpus | documents | tokens | tokenize-only tok/s | prepare tok/s | ratio | main CPU ns/token | main's capacity / 32 workers' rate | peak RSS | written / shards | rerun after kill -9 at 50% |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mb, docs, tokens, ref_s, full, rerun in rows:
@@ -183,7 +184,8 @@ def main() -> None:
         f0, (_, _, t1, r1, f1, _) = rows[0][4], rows[-1]
         slope = (f1["main_cpu"] - f0["main_cpu"]) / (f1["tokens"] - f0["tokens"])
         demand_32 = 32 * (t1 / r1) / args.workers
-        print(f"\nmain process: {slope * 1e9:.2f} ns CPU per extra token (between the sizes): it keeps up with {1 / max(slope, 1e-12) / 1e6:.0f}M tok/s, vs {demand_32 / 1e6:.0f}M tok/s from 32 workers at this machine's per-worker rate")  # fmt: skip
+        keeps_up = f"{1 / slope / 1e6:.0f}M tok/s" if slope > 0 else "any rate (no measurable cost)"
+        print(f"\nmain process: {slope * 1e9:.2f} ns CPU per extra token (between the sizes): it keeps up with {keeps_up}, vs {demand_32 / 1e6:.0f}M tok/s from 32 workers at this machine's per-worker rate")  # fmt: skip
 
 
 if __name__ == "__main__":

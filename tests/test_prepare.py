@@ -641,3 +641,29 @@ def test_a_worker_killed_is_one_line_and_parts_are_kept(tmp_path, capsys, monkey
     assert code == 0 and "resumed: " in err
     prepare([str(src)], tmp_path / "ref", progress=False)
     assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "ref")
+
+
+def test_two_prepares_of_one_folder_at_once(tmp_path):
+    """As two nodes preparing the built-in corpus into a shared cache would: one publishes,
+    the other waits for it and then finds the folder made (one line), no half-written files."""
+    import threading
+
+    src = corpus(tmp_path, files=6, rows=30)
+    results = []
+
+    def run():
+        try:
+            results.append(prepare([str(src)], tmp_path / "out", workers=1, progress=False))
+        except UserError as e:
+            results.append(str(e))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(isinstance(r, dict) for r in results) == 1
+    assert any(isinstance(r, str) and "already exists" in r for r in results)
+    prepare([str(src)], tmp_path / "ref", progress=False)
+    assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "ref")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out", "ref"]

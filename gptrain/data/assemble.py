@@ -183,13 +183,29 @@ def split_sizes(is_val: np.ndarray, lengths: np.ndarray) -> tuple[int, int]:
 _job: dict = {}  # set before the pool forks: what every shard writer reads
 
 
-def _part(i: int) -> np.ndarray:
-    maps = _job.setdefault("maps", {})
-    if i not in maps:
-        path = _job["part_paths"][i]
-        size = Path(path).stat().st_size
-        maps[i] = np.memmap(path, dtype=_job["dtype"], mode="r") if size else np.zeros(0, _job["dtype"])  # fmt: skip
-    return maps[i]
+class _PartReader:
+    """A part's tokens read with pread on demand: nothing mapped, so a writer's memory stays the
+    pieces in hand however much it reads (a memmap would keep every touched page resident)."""
+
+    def __init__(self, path, dtype):
+        self.path, self.dtype = path, np.dtype(dtype)
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        fds = _job.setdefault("fds", {})
+        fd = fds.get(self.path)
+        if fd is None:
+            if len(fds) >= 256:  # stay far below the open-files limit
+                os.close(fds.pop(next(iter(fds))))
+            fd = fds[self.path] = os.open(self.path, os.O_RDONLY)
+        n, size = sl.stop - sl.start, self.dtype.itemsize
+        raw = os.pread(fd, n * size, sl.start * size)
+        if len(raw) != n * size:
+            raise UserError(f"{self.path} is shorter than its record says; delete it and run the same command again")  # fmt: skip
+        return np.frombuffer(raw, dtype=self.dtype)
+
+
+def _part(i: int) -> _PartReader:
+    return _PartReader(_job["part_paths"][i], _job["dtype"])
 
 
 def _write_one(task: tuple[str, int]) -> dict:
@@ -230,4 +246,6 @@ def write_shards(folder: Path, layouts: dict, pieces: Pieces, part_paths: list, 
         with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx) as pool:
             return list(pool.map(_write_one, tasks))
     finally:
+        for fd in _job.get("fds", {}).values():
+            os.close(fd)
         _job.clear()

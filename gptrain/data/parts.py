@@ -102,14 +102,11 @@ def _file_items(path: str, split: int, text_field: str) -> list[dict]:
             raise UserError(
                 f"{path}: no column {text_field!r} (found: {', '.join(meta.schema_arrow.names)}); pass --text-field KEY"
             )
-        return [
-            {
-                **ident,
-                "kind": "parquet",
-                "group": g,
-                "bytes": meta.metadata.row_group(g).total_byte_size,
-            }  # fmt: skip
-            for g in range(meta.metadata.num_row_groups)
+        rows = max(meta.metadata.num_rows, 1)
+        groups = [meta.metadata.row_group(g).num_rows for g in range(meta.metadata.num_row_groups)]
+        return [  # "bytes": the file's share for the progress bar
+            {**ident, "kind": "parquet", "group": g, "bytes": st.st_size * n // rows}
+            for g, n in enumerate(groups)
         ]
     kind = "jsonl" if base.endswith(".jsonl") else "text"
     if path != base or st.st_size <= RANGE_BYTES:
@@ -146,7 +143,7 @@ def _docs_item(source, texts, split, k, cont_first) -> dict:
 def single_cut_items(path: str, val_fraction: float, utf8_errors: str, stats: dict):
     """One document: its first 1 - val_fraction of the characters train, the rest val, each
     cut at safe newlines into pieces of one document."""
-    text = decode_utf8(read_bytes(path), path, utf8_errors, stats)
+    text = decode_utf8(read_bytes(path), path, utf8_errors, stats, warn=False)
     cut = int(len(text) * (1 - val_fraction))
     items = []
     for split, part in ((1, text[:cut]), (2, text[cut:])):

@@ -156,7 +156,10 @@ def prepare(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"  # llm.c imports are written here
     stats: dict = {}
     settings = {"inputs": list(inputs), "val_inputs": list(val_inputs or []), "seed": seed}
+    lock = exclusive(out.parent / f".{out.name}.lock")  # one prepare per --out at a time
     try:
+        if out.exists() and any(out.iterdir()):  # another process published it meanwhile
+            raise UserError(f"--out {out} already exists and is not empty; delete it or choose another folder")  # fmt: skip
         if tok is None:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -174,6 +177,7 @@ def prepare(
             record.unlink()
         publish(folder, out)
         shutil.rmtree(workdir, ignore_errors=True)
+        Path(lock.name).unlink(missing_ok=True)  # waiting processes find --out published
         return manifest
     except UserError:
         if workdir.is_dir() and not any(workdir.glob("*.json")):  # nothing worth keeping
@@ -181,6 +185,19 @@ def prepare(
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        lock.close()
+
+
+def exclusive(path: Path):
+    """An open file holding an exclusive lock (flock; waits while another process holds it)."""
+    f = open(path, "a")
+    try:
+        import fcntl
+
+        fcntl.flock(f, fcntl.LOCK_EX)
+    except (ImportError, OSError):  # no flock here (Windows, some network file systems)
+        pass
+    return f
 
 
 def prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed) -> tuple[dict, Path]:  # fmt: skip
