@@ -667,3 +667,14 @@ def test_two_prepares_of_one_folder_at_once(tmp_path):
     prepare([str(src)], tmp_path / "ref", progress=False)
     assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "ref")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out", "ref"]
+
+
+def test_one_document_in_ranges_cut_by_val_tokens(shakespeare_txt, tmp_path, monkeypatch):
+    from gptrain.data import parts
+
+    monkeypatch.setattr(parts, "RANGE_BYTES", 50_000)  # the cut falls inside one of ~22 pieces
+    m = prepare([str(shakespeare_txt)], tmp_path / "d", val_tokens=123_457, shard_tokens=400_000, progress=False)  # fmt: skip
+    whole = np.frombuffer(shakespeare_txt.read_bytes(), dtype=np.uint8)
+    assert np.array_equal(tokens(tmp_path / "d", "train"), whole[:-123_457])
+    assert np.array_equal(tokens(tmp_path / "d", "val"), whole[-123_457:])
+    assert m["documents"] == 1 and [s["tokens"] for s in m["shards"]] == [400_000, 400_000, 191_937, 123_457]  # fmt: skip

@@ -71,24 +71,25 @@ class Pieces:
     @classmethod
     def from_parts(cls, records: list[dict], lengths: list[np.ndarray]) -> Pieces:
         counts = np.array([len(x) for x in lengths], dtype=np.int64)
-        length = np.concatenate([np.zeros(0, np.int64), *lengths]).astype(np.int64)
+        length = np.concatenate([np.zeros(0, np.int32), *lengths]).astype(np.int32)
         part = np.repeat(np.arange(len(lengths), dtype=np.int32), counts)
         first_of_part = np.cumsum(counts) - counts
-        within = np.cumsum(length) - length
+        within = np.cumsum(length, dtype=np.int64) - length
         start = within - np.repeat(within[first_of_part[counts > 0]], counts[counts > 0])
+        del within
         new_doc = np.ones(len(length), dtype=bool)
         for p, record in enumerate(records):  # a part whose first piece continues a document
             if record["cont"] and counts[p] and first_of_part[p] > 0:
                 new_doc[first_of_part[p]] = False
         doc_first = np.flatnonzero(new_doc).astype(np.int64)
-        doc_count = np.diff(np.append(doc_first, len(length))).astype(np.int64)
-        doc_len = np.add.reduceat(length, doc_first) if len(doc_first) else np.zeros(0, np.int64)
+        doc_count = np.diff(np.append(doc_first, len(length))).astype(np.int32)
+        doc_len = np.add.reduceat(length.astype(np.int64), doc_first) if len(doc_first) else np.zeros(0, np.int64)  # fmt: skip
         splits = np.array([r["split"] for r in records], dtype=np.int8)
         return cls(part, start, length, doc_first, doc_count, doc_len, splits[part[doc_first]])
 
     def cut_single(self, keep: int) -> Pieces:
         """The one document cut after `keep` tokens: a train document and a val document."""
-        ends = np.cumsum(self.length)
+        ends = np.cumsum(self.length, dtype=np.int64)
         k = int(np.searchsorted(ends, keep, side="right"))  # the piece holding token `keep`
         if k >= len(self.length):
             k = len(self.length) - 1
@@ -117,13 +118,19 @@ class SplitLayout:
     @classmethod
     def build(cls, p: Pieces, docs: np.ndarray, shard_tokens: int) -> SplitLayout:
         counts, firsts = p.doc_count[docs], p.doc_first[docs]
-        offs = np.cumsum(counts) - counts
-        idx = np.arange(int(counts.sum()), dtype=np.int64)
-        idx += np.repeat(firsts - offs, counts)
-        length = p.length[idx]
-        sep = np.zeros(len(idx), dtype=np.int64)
-        sep[offs[1:]] = 1  # one end-of-text before every document but the first
-        pos = np.cumsum(length) - length + np.cumsum(sep)
+        if (counts == 1).all():  # the usual case: every document is one piece
+            idx, offs = firsts, np.arange(len(docs), dtype=np.int64)
+            length = p.length[idx].astype(np.int64)
+            pos = np.cumsum(length + 1) - length - 1  # one end-of-text between documents
+        else:
+            offs = np.cumsum(counts) - counts
+            idx = np.arange(int(counts.sum()), dtype=np.int64)
+            idx += np.repeat(firsts - offs, counts)
+            length = p.length[idx].astype(np.int64)
+            sep = np.zeros(len(idx), dtype=np.int64)
+            sep[offs[1:]] = 1  # one end-of-text before every document but the first
+            pos = np.cumsum(length) - length + np.cumsum(sep)
+            del sep
         total = int(pos[-1] + length[-1]) if len(idx) else 0
         return cls(idx, pos, length, pos[offs], total, shard_tokens)
 
