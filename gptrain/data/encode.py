@@ -1,8 +1,10 @@
-"""Tokenizing documents in parallel: ~1 MB work units, a process pool, results in input order.
+"""Cutting long texts where GPT-2-style pre-tokenization always splits (`split_points`: at a
+newline that follows a non-space character), so tokenizing the pieces gives the tokens of the
+whole text; `gptrain prepare`'s workers (`gptrain.data.parts`) use it.
 
-Long documents are cut only at a newline that follows a non-space character, where GPT-2-style
-pre-tokenization always splits, so the tokens are the same as for the whole text. Forked workers
-inherit the tokenizer (threads would stop scaling: tokenizers hold the GIL for part of each call).
+Also the earlier in-memory pipeline (`tokenize_to_file`: documents read in the main process, ~1 MB
+work units, a process pool, results in input order), kept for benchmarks/bench_tokenize.py's
+"tokenization stage" row; `gptrain prepare` no longer uses it.
 """
 
 from __future__ import annotations
