@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gptrain.config.sections import load_config  # noqa: E402
-from gptrain.logs.mfu import measure_peak_flops  # noqa: E402
+from gptrain.logs.mfu import format_flops, measure_peak_flops  # noqa: E402
 from gptrain.model.gpt import GPTConfig  # noqa: E402
 
 
@@ -82,10 +82,10 @@ def main() -> None:
     peak = measure_peak_flops("cpu", dtype)
     rate = flops / best
     print(f"{args.dtype}, {torch.get_num_threads()} threads, {tokens:,} tokens per micro-step")
-    print("| what | ms per micro-step | TFLOP/s | share of measured peak |")
+    print("| what | ms per micro-step | FLOP/s | share of measured peak |")
     print("|---|---:|---:|---:|")
-    print(f"| matmuls only ({flops / 1e9:.1f} GFLOP) | {best * 1e3:.1f} | {rate / 1e12:.2f} | {rate / peak:.1%} |")  # fmt: skip
-    print(f"| measured peak | | {peak / 1e12:.2f} | 100% |")
+    print(f"| matmuls only ({flops / 1e9:.1f} GFLOP) | {best * 1e3:.1f} | {format_flops(rate)} | {rate / peak:.1%} |")  # fmt: skip
+    print(f"| measured peak | | {format_flops(peak)} | 100% |")
 
 
 if __name__ == "__main__":

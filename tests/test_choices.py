@@ -208,7 +208,7 @@ def test_the_clock_keeps_each_candidate_within_its_share():
     """Clock: warm-up + timed runs while the candidate's share lasts (at most MAX_RUNS); one
     timed run when it is already STOP_FACTOR x slower than its rival; the warm-up alone when it
     took the whole share or the budget is spent. Sleeps are lower bounds, so counts are exact."""
-    from gptrain.training.choices import MAX_RUNS, Clock
+    from gptrain.training.timing import MAX_RUNS, Clock
 
     def sleeper(seconds):
         calls = []
@@ -239,7 +239,7 @@ def test_the_clock_keeps_each_candidate_within_its_share():
 def test_timings_on_a_crowded_cpu_are_used_but_not_cached(tmp_path, monkeypatch):
     """Other processes taking this one's cores while it times (read from /proc/stat): the
     choice stands for this run, the cache is not written (it would outlive the load), a warning."""
-    from gptrain.training import choices
+    from gptrain.training import timing
 
     path = tmp_path / "speed_choices.json"
     crowded = native(block__float32__matmul=0.5)
@@ -255,7 +255,31 @@ def test_timings_on_a_crowded_cpu_are_used_but_not_cached(tmp_path, monkeypatch)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     start = (100.0, 10.0, 50.0)  # (CPU busy s, this process s, wall clock)
-    monkeypatch.setattr(choices, "_cpu_now", lambda: (104.0, 11.0, 51.0))  # others: 3 cores
-    assert choices._crowding(start) == pytest.approx(1.0 - 4 / os.sysconf("SC_CLK_TCK"))
-    monkeypatch.setattr(choices, "_cpu_now", lambda: (102.5, 11.0, 51.0))  # others: 1.5 cores
-    assert choices._crowding(start) == 0.0
+    monkeypatch.setattr(timing, "cpu_now", lambda: (104.0, 11.0, 51.0))  # others: 3 cores
+    assert timing.crowding_since(start) == pytest.approx(1.0 - 4 / os.sysconf("SC_CLK_TCK"))
+    monkeypatch.setattr(timing, "cpu_now", lambda: (102.5, 11.0, 51.0))  # others: 1.5 cores
+    assert timing.crowding_since(start) == 0.0
+
+
+def test_a_resumed_run_keeps_its_checkpoints_choices_untimed(monkeypatch, tmp_path):
+    """for_run with the decisions a checkpoint recorded: every key still auto takes them (how:
+    "checkpoint") and nothing is timed, whatever the cache holds; an explicit value still wins."""
+    from gptrain.config.sections import load_config
+    from gptrain.distributed.runtime import DistInfo
+    from gptrain.training import timing
+    from gptrain.training.build import build_model
+    from gptrain.training.choices import for_run
+
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path))
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a resumed run timed a candidate")
+
+    monkeypatch.setattr(timing.Clock, "__call__", no_timing)
+    cfg = load_config(None, ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "optim.name=muon", "train.dtype=auto", "train.seq_len=32", "train.micro_batch_size=4", "train.total_batch_size=128"])  # fmt: skip
+    model = build_model(cfg, 257)
+    saved = {"dtype": "float32", "attention": "matmul", "muon_dtype": "float32"}
+    got = for_run(cfg, DistInfo(), model, "auto", saved=saved)
+    assert got.decisions() == saved and set(got.how.values()) == {"checkpoint"}
+    got = for_run(cfg, DistInfo(), model, "float32", saved={**saved, "dtype": "bfloat16"})
+    assert got.dtype == "float32" and got.how["dtype"] == "config"

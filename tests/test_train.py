@@ -482,16 +482,15 @@ def test_killed_between_the_renames_of_a_re_save_resumes(byte_data, tmp_path):
     assert checkpoint.latest(cut) == root / "step_00000009"
 
 
-def test_attention_auto_rule():
+def test_attention_auto_takes_the_measured_kernel_and_an_explicit_one_wins():
+    """auto is what training/choices.py measured faster (tested there with a fake timer); an
+    explicit sdpa or matmul is used as given."""
     from gptrain.training.build import attention_kernel
 
-    bf16, f32 = torch.bfloat16, torch.float32
-    assert attention_kernel("auto", "cpu", 256, bf16) == "matmul"
-    assert attention_kernel("auto", "cpu", 257, bf16) == "sdpa"
-    assert attention_kernel("auto", "cpu", 32, f32) == "sdpa"
-    assert attention_kernel("auto", "cuda", 32, bf16) == "sdpa"
-    assert attention_kernel("sdpa", "cpu", 32, bf16) == "sdpa"
-    assert attention_kernel("matmul", "cuda", 1024, f32) == "matmul"
+    assert attention_kernel("auto", "matmul") == "matmul"
+    assert attention_kernel("auto", "sdpa") == "sdpa"
+    assert attention_kernel("sdpa", "matmul") == "sdpa"
+    assert attention_kernel("matmul", "sdpa") == "matmul"
 
 
 def test_resume_with_another_gelu_is_refused(byte_data, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Causal self-attention as explicit matmuls with a hand-written backward: `train.attention =
-matmul` (auto on CPUs in bf16 for windows up to 256 tokens, see build.attention_kernel). Imports
-only torch; the model (model.py) calls it in place of scaled_dot_product_attention."""
+matmul` (auto picks it where it measured faster on the run's shapes, see
+training/choices.py). Imports only torch; the model (gpt.py) calls it in place of
+scaled_dot_product_attention."""
 
 from __future__ import annotations
 

@@ -97,11 +97,12 @@ class Built(tuple):
         return built
 
 
-def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str, compile: bool, saved_arch: dict | None = None) -> Built:  # fmt: skip
+def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str, compile: bool, saved_arch: dict | None = None, saved_choices: dict | None = None) -> Built:  # fmt: skip
     """(model, wrapped, optimizer, compute dtype, autocast, scaler), in this order: the model with
     the same initialisation on every rank (same seed), parallelism applied from outside, then the
     optimizer over the (possibly sharded) parameters. train.dtype (`dtype`), train.attention and
-    optim.muon_dtype = auto are decided by timing the run's shapes (training/choices.py).
+    optim.muon_dtype = auto are decided by timing the run's shapes (training/choices.py), or taken
+    from the checkpoint a run resumes (`saved_choices`).
 
     FSDP2 with a random init: the model is built on the `meta` device (no memory), sharded, then
     each rank allocates only its shards (`to_empty`) and initialises them (`init_sharded`), so no
@@ -120,7 +121,7 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
         )
     if not on_meta:
         model = model.to(info.device)
-    choices = for_run(cfg, info, model, dtype, fsdp)  # timed once per machine and shapes
+    choices = for_run(cfg, info, model, dtype, fsdp, saved_choices)  # timed once per machine
     ptdtype = resolve_dtype(dtype, info.device_type, fsdp, measured=choices.dtype)
     model.set_attention(attention_kernel(cfg.train.attention, choices.attention))
     set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured

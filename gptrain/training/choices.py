@@ -17,28 +17,10 @@ What is timed (only what the config leaves to auto; an explicit value always win
   layers, stay under MATMUL_MEMORY.
 - muon: one Newton-Schulz orthogonalisation of each distinct Muon matrix shape, bf16 vs float32.
 
-Each candidate: one warm-up run, then timed runs until CANDIDATE_S is spent (at most MAX_RUNS,
-at least one), the best kept; a candidate already STOP_FACTOR x slower than the best so far after
-its first timed run is not run again; a warm-up longer than CANDIDATE_S, or one after BUDGET_S in
-all, is the candidate's timing. With at most 2 + 4 + 2 candidates the start-up stays under ~3 s
-on 2 cores. The choice is the first candidate (float32 before bf16, sdpa before matmul) within
-MARGIN of the fastest: closer than that is timing noise, and a choice should not flip on noise.
-
-The timings are cached as JSON in cache_dir()/speed_choices.json, keyed by the machine (CPU model
-name, torch's CPU capability, ONEDNN_MAX_CPU_ISA and threads; or the GPU's name), the torch
-version and the shapes, so a second run times nothing (delete the file to measure again). Timings
-taken while other processes took cores from this one's threads (CROWDED, from /proc/stat) are
-used but not cached, with a warning: a choice measured on a busy machine would outlive the load.
-A damaged file or entry is ignored with a warning and rewritten.
-The decision is made on the main process and sent to every rank.
-"""
+How a candidate is timed and how timings are cached: training/timing.py."""
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -47,28 +29,28 @@ from pathlib import Path
 import torch
 
 from gptrain.errors import UserError
-from gptrain.logs.mfu import synchronize
-from gptrain.training.muon import orthogonalise
 from gptrain.training.precision import (
     DTYPES,
     auto_cuda_dtype,
     cuda_supports_bf16,
-    mixed_precision,
     resolve_dtype,
 )
+from gptrain.training.timing import (
+    Clock,
+    Timings,
+    block_flops,
+    block_run,
+    default_cache_path,
+    machine,
+    matmul_run,
+    newton_schulz_run,
+)
 
-CACHE_VERSION = 1
-CANDIDATE_S, BUDGET_S, MAX_RUNS, STOP_FACTOR, MARGIN = 0.4, 2.5, 5, 2.0, 0.1
+MARGIN = 0.1  # a candidate within this of the fastest counts as as fast (timing noise)
 CROWDED = 0.5  # cores other processes may take from this one's threads while it times
 BF16_EMULATED_RATIO = 2.0  # bf16 matmul time / float32's above which bf16 counts as emulated
 BLOCK_FLOPS = 8e9  # CPU: the most FLOPs one timed block run may take (~60 ms in float32)
 MATMUL_MEMORY = 2**30  # bytes of probabilities matmul attention may keep for backward
-_DTYPES = ("float32", "bfloat16", "float16")
-NAMES = {  # every candidate name a cache entry of each kind may hold
-    "bf16-probe": {"float32", "bfloat16"},
-    "block": {f"{d}/{k}" for d in _DTYPES for k in ("sdpa", "matmul")},
-    "muon": {"float32", "bfloat16"},
-}
 
 
 @dataclass(frozen=True)
@@ -105,6 +87,10 @@ class Choices:
     def muon_torch_dtype(self) -> torch.dtype | None:
         return DTYPES[self.muon_dtype] if self.muon_dtype else None
 
+    def decisions(self) -> dict:
+        """What a checkpoint records, so that a resumed run computes the same way."""
+        return {"dtype": self.dtype, "attention": self.attention, "muon_dtype": self.muon_dtype}
+
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "warnings"}
 
@@ -126,107 +112,6 @@ class Choices:
         if self.bf16_ratio is not None:
             parts.append(f"bf16 matmul {self.bf16_ratio:.2g}x float32's time")
         return f"speed choices in {self.seconds:.2f} s: " + ", ".join(parts)
-
-
-class Clock:
-    """Real timing of one candidate (see the module docstring): seconds of its best run."""
-
-    def __init__(self, candidate_s: float = CANDIDATE_S, budget_s: float = BUDGET_S):
-        self.candidate_s, self.budget_s, self.total = candidate_s, budget_s, 0.0
-        self.cpu = _cpu_now()
-
-    def crowding(self) -> float:
-        """Cores other processes took from this one's threads since the clock started."""
-        return _crowding(self.cpu)
-
-    def __call__(self, label: str, fn, rival: float = math.inf) -> float:
-        t0 = time.perf_counter()
-        fn()  # warm-up: kernel selection, allocator, one-off costs
-        spent, best, runs = time.perf_counter() - t0, math.inf, 0
-        if spent > self.candidate_s or self.total > self.budget_s:  # no time for more runs
-            self.total += spent
-            return spent
-        while runs == 0 or (runs < MAX_RUNS and spent < self.candidate_s):
-            t0 = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t0
-            best, spent, runs = min(best, dt), spent + dt, runs + 1
-            if best > STOP_FACTOR * rival:
-                break
-        self.total += spent
-        return best
-
-
-def machine(device: str) -> str:
-    """What a cached timing is valid for: the device, as named by its maker and by torch."""
-    if device.startswith("cuda"):
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"{torch.cuda.get_device_name(device)} (cc {major}.{minor})"
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)  # fmt: skip
-        info = {k.strip(): v.strip() for k, v in info.items()}
-        name = f"{info.get('model name', name)} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"  # fmt: skip
-    except OSError:
-        pass
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
-    return f"{name}, {torch.backends.cpu.get_cpu_capability()}{', oneDNN ' + isa if isa else ''}, {torch.get_num_threads()} threads"  # fmt: skip
-
-
-class Timings:
-    """Seconds per candidate: from the JSON cache where it has them ({key: {candidate: seconds}}),
-    the rest timed by `timer` and added. Damaged parts of the file are dropped with a warning."""
-
-    def __init__(self, path: Path | None, where: str, timer, warnings: list):
-        self.path, self.where, self.timer, self.warnings = path, where, timer, warnings
-        self.entries, self.hits, self.dirty = {}, [], False
-        if path is None or not path.exists():
-            return
-        try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-                raise ValueError(f"not a version-{CACHE_VERSION} speed-choice cache")
-            if not isinstance(data.get("entries"), dict):
-                raise ValueError("no 'entries' table")
-            self.entries = data["entries"]
-        except (OSError, ValueError) as e:
-            warnings.append(f"ignoring the damaged speed-choice cache {path} ({e}); measuring again")  # fmt: skip
-
-    def __call__(self, kind: str, shape, candidates: dict) -> dict:
-        """{name: seconds} for candidates {name: make} (make() -> the run to time)."""
-        key = f"{kind}|{self.where}|{json.dumps(shape)}"
-        known = self.entries.get(key, {})
-        if not (isinstance(known, dict) and all(k in NAMES[kind] and isinstance(v, float) and 0 < v < math.inf for k, v in known.items())):  # fmt: skip
-            self.warnings.append(f"ignoring a stale or damaged entry of {self.path}: {key}; measuring again")  # fmt: skip
-            known = {}
-        missing = [c for c in candidates if c not in known]
-        self.hits.append(not missing)
-        for name in missing:
-            rival = min((known[c] for c in candidates if c in known), default=math.inf)
-            known[name] = self.timer(f"{kind}/{name}", candidates[name](), rival)
-        if missing:
-            self.entries[key], self.dirty = known, True
-        return {c: known[c] for c in candidates}
-
-    def save(self) -> None:
-        if self.path is None or not self.dirty:
-            return
-        try:  # merge with what other runs wrote meanwhile; write atomically
-            fresh = Timings(self.path, self.where, None, []).entries
-            data = {"version": CACHE_VERSION, "entries": {**fresh, **self.entries}}
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
-        except OSError as e:
-            self.warnings.append(f"cannot write the speed-choice cache {self.path}: {e}")
-
-
-def default_cache_path() -> Path:
-    from gptrain.cache import cache_dir
-
-    return cache_dir() / "speed_choices.json"
 
 
 def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "auto", muon_dtype: str | None = None, *, fsdp: bool = False, timer=None, cache_path: Path | None | bool = True) -> Choices:  # fmt: skip
@@ -254,7 +139,7 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a property of one core; threads would time their contention
         try:
-            mm = measure("bf16-probe", 256, {d: partial(_matmul, device, d) for d in ("float32", "bfloat16")})  # fmt: skip
+            mm = measure("bf16-probe", 256, {d: partial(matmul_run, device, d) for d in ("float32", "bfloat16")})  # fmt: skip
         finally:
             torch.set_num_threads(threads)
         out.bf16_ratio = mm["bfloat16"] / mm["float32"]
@@ -281,9 +166,9 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
     combos = [f"{d}/{k}" for d in dtypes for k in kernels]
     if len(combos) > 1:
         slow = max(1.0, out.bf16_ratio or 1.0) if "bfloat16" in dtypes else 1.0  # emulated bf16
-        n = s.micro_batch if cuda else max(1, min(s.micro_batch, int(BLOCK_FLOPS / slow / _block_flops(s))))  # fmt: skip
+        n = s.micro_batch if cuda else max(1, min(s.micro_batch, int(BLOCK_FLOPS / slow / block_flops(s))))  # fmt: skip
         shape = [n, s.seq_len, s.n_embd, s.n_head, s.gelu, s.bias]
-        makes = {c: partial(_block, device, s, n, c) for c in combos}
+        makes = {c: partial(block_run, device, s, n, c) for c in combos}
         times = measure("block", shape, makes)
         out.block_ms, out.block_tokens = {c: t * 1e3 for c, t in times.items()}, (n, s.seq_len)
         out.dtype, out.attention = _pick(times, combos).split("/")
@@ -296,7 +181,7 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
     if muon_dtype == "auto":
         options = ["float32"] + ["bfloat16"] * native
         if len(options) > 1 and s.muon:
-            makes = {d: partial(_newton_schulz, device, s, d) for d in options}
+            makes = {d: partial(newton_schulz_run, device, s, d) for d in options}
             times = measure("muon", [list(m) for m in s.muon] + [s.ns_steps], makes)
             out.muon_ms = {d: t * 1e3 for d, t in times.items()}
             out.muon_dtype = _pick(times, options)
@@ -316,11 +201,14 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
     return out
 
 
-def for_run(cfg, info, model, dtype: str, fsdp: bool = False) -> Choices:
+def for_run(cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None = None) -> Choices:  # fmt: skip
     """decide() for a run: cfg (a config.Config) and its built `model` give the shapes (the
     micro-batch a CPU uses, the model's block, its Muon matrices), `dtype` is train.dtype (bench
     passes its own), `fsdp` whether it shards. Decided on the main process; every rank gets the
-    same Choices."""
+    same Choices. `saved`: the decisions a resumed checkpoint recorded (Choices.decisions()); a
+    resumed run keeps them for every key still auto, so that it computes exactly as before
+    whatever the cache holds (how: "checkpoint"), unless this device cannot run one of them (bf16
+    Muon where bf16 is emulated): then it decides afresh, with a warning."""
     from gptrain.distributed import runtime as dist
     from gptrain.training import batch
     from gptrain.training.optim import muon_split
@@ -331,85 +219,25 @@ def for_run(cfg, info, model, dtype: str, fsdp: bool = False) -> Choices:
     mb = batch.plan(t, info.world_size)[0]  # what a CPU uses, a GPU tries first
     shapes = Shapes(mb, t.seq_len, c.n_layer, c.n_embd, c.n_head, c.gelu, c.bias, tuple(sorted(matrices)), o.muon_ns_steps)  # fmt: skip
     muon_dtype = o.muon_dtype if muon else None
-    return dist.from_main(info, lambda: decide(info.device, shapes, dtype, t.attention, muon_dtype, fsdp=fsdp))  # fmt: skip
+    asked = {"dtype": dtype, "attention": t.attention, "muon_dtype": muon_dtype}
+    kept = {k: saved[k] for k, v in asked.items() if v == "auto" and (saved or {}).get(k)}
 
+    def choose() -> Choices:
+        try:
+            out = decide(info.device, shapes, **{**asked, **kept}, fsdp=fsdp)
+        except UserError:
+            if not kept:
+                raise
+            out = decide(info.device, shapes, **asked, fsdp=fsdp)
+            out.warnings.append(f"the checkpoint's speed choices {kept} cannot run on this device; decided again")  # fmt: skip
+            return out
+        out.how.update(dict.fromkeys(kept, "checkpoint"))
+        return out
 
-def _cpu_now() -> tuple | None:
-    """(seconds any CPU was busy, seconds this process ran, wall clock); None without /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    t = os.times()
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
-    return busy, t.user + t.system, time.perf_counter()
-
-
-def _crowding(start: tuple | None) -> float:
-    """Cores other processes took, since `start`, beyond those this process's threads leave free."""
-    end = _cpu_now()
-    if start is None or end is None:
-        return 0.0
-    busy, own, wall = (b - a for a, b in zip(start, end, strict=True))
-    ticks = 4 / os.sysconf("SC_CLK_TCK")  # both counters move in clock ticks (10 ms): their error
-    spare = (os.cpu_count() or 1) - torch.get_num_threads()
-    return max(0.0, (busy - own - ticks) / max(wall, 1e-6) - spare)
+    return dist.from_main(info, choose)
 
 
 def _pick(times: dict, order: list) -> str:
     """The first candidate of `order` within MARGIN of the fastest: closer is timing noise."""
     fastest = min(times[c] for c in order)
     return next(c for c in order if (1 - MARGIN) * times[c] <= fastest)
-
-
-def _block_flops(s: Shapes) -> float:
-    """Forward + backward FLOPs of one block for one sequence: 3x the forward's matmuls."""
-    return 3 * s.seq_len * (24 * s.n_embd**2 + 4 * s.seq_len * s.n_embd)
-
-
-def _generator(device: str) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(0)  # the global RNG is never touched
-
-
-def _matmul(device: str, dtype: str):
-    """The run of a 256^3 matmul in `dtype`."""
-    a = torch.randn(256, 256, device=device, generator=_generator(device)).to(DTYPES[dtype])
-    return lambda: (a @ a, synchronize(device))
-
-
-def _newton_schulz(device: str, s: Shapes, dtype: str):
-    """The run of one orthogonalisation in `dtype` of a matrix of each of s.muon's shapes."""
-    gen = _generator(device)
-    mats = [torch.randn(m, device=device, generator=gen) for m in s.muon]
-    return lambda: ([orthogonalise(g, s.ns_steps, DTYPES[dtype]) for g in mats], synchronize(device))  # fmt: skip
-
-
-def _block(device: str, s: Shapes, n: int, combo: str):
-    """The run of one transformer block's forward + backward on `n` sequences under the autocast
-    of combo's dtype, with its attention kernel (combo: "bfloat16/matmul")."""
-    from gptrain.model.gpt import Block, GPTConfig
-
-    dtype, kernel = combo.split("/")
-    cfg = GPTConfig(vocab_size=64, block_size=s.seq_len, n_layer=1, n_head=s.n_head, n_embd=s.n_embd, dropout=0.0, bias=s.bias, gelu=s.gelu)  # fmt: skip
-    with torch.device("meta"):
-        block = Block(cfg)
-    block.to_empty(device=device)
-    gen = _generator(device)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            ln_weight = name.startswith("ln_") and name.endswith("weight")
-            p.normal_(1.0 if ln_weight else 0.0, 0.02, generator=gen)
-    block.attn.impl = kernel
-    x = torch.randn(n, s.seq_len, s.n_embd, device=device, generator=gen, requires_grad=True)
-    autocast, _ = mixed_precision(DTYPES[dtype], torch.device(device).type)
-
-    def run():
-        block.zero_grad(set_to_none=True)
-        x.grad = None
-        with autocast:
-            y = block(x)
-        y.float().sum().backward()
-        synchronize(device)
-
-    return run

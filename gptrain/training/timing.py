@@ -1,0 +1,226 @@
+"""How the speed choices (training/choices.py) time a candidate, and where the timings are cached.
+
+Each candidate: one warm-up run, then timed runs until CANDIDATE_S is spent (at most MAX_RUNS,
+at least one), the best kept; a candidate already STOP_FACTOR x slower than the best so far after
+its first timed run is not run again; a warm-up longer than CANDIDATE_S, or one after BUDGET_S in
+all, is the candidate's timing. With at most 2 + 4 + 2 candidates the start-up stays under ~3 s
+on 2 cores. The choice is the first candidate (float32 before bf16, sdpa before matmul) within
+MARGIN of the fastest: closer than that is timing noise, and a choice should not flip on noise.
+
+The timings are cached as JSON in cache_dir()/speed_choices.json, keyed by the machine (CPU model
+name, torch's CPU capability, ONEDNN_MAX_CPU_ISA and threads; or the GPU's name), the torch
+version and the shapes, so a second run times nothing (delete the file to measure again). Timings
+taken while other processes took cores from this one's threads (CROWDED, from /proc/stat) are
+used but not cached, with a warning: a choice measured on a busy machine would outlive the load.
+A damaged file or entry is ignored with a warning and rewritten.
+The decision is made on the main process and sent to every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from gptrain.cache import cache_dir
+from gptrain.logs.mfu import synchronize
+from gptrain.training.muon import orthogonalise
+from gptrain.training.precision import DTYPES, mixed_precision
+
+CANDIDATE_S, BUDGET_S, MAX_RUNS, STOP_FACTOR = 0.4, 2.5, 5, 2.0
+_DTYPES = ("float32", "bfloat16", "float16")
+# the workloads below take `s`, the run's choices.Shapes (micro_batch, seq_len, n_embd, n_head,
+# gelu, bias, muon matrix shapes, ns_steps)
+
+
+CACHE_VERSION = 1
+
+
+NAMES = {  # every candidate name a cache entry of each kind may hold
+    "bf16-probe": {"float32", "bfloat16"},
+    "block": {f"{d}/{k}" for d in _DTYPES for k in ("sdpa", "matmul")},
+    "muon": {"float32", "bfloat16"},
+}
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class Clock:
+    """Real timing of one candidate (see the module docstring): seconds of its best run."""
+
+    def __init__(self, candidate_s: float = CANDIDATE_S, budget_s: float = BUDGET_S):
+        self.candidate_s, self.budget_s, self.total = candidate_s, budget_s, 0.0
+        self.cpu = cpu_now()
+
+    def crowding(self) -> float:
+        """Cores other processes took from this one's threads since the clock started."""
+        return crowding_since(self.cpu)
+
+    def __call__(self, label: str, fn, rival: float = math.inf) -> float:
+        t0 = time.perf_counter()
+        fn()  # warm-up: kernel selection, allocator, one-off costs
+        spent, best, runs = time.perf_counter() - t0, math.inf, 0
+        if spent > self.candidate_s or self.total > self.budget_s:  # no time for more runs
+            self.total += spent
+            return spent
+        while runs == 0 or (runs < MAX_RUNS and spent < self.candidate_s):
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            best, spent, runs = min(best, dt), spent + dt, runs + 1
+            if best > STOP_FACTOR * rival:
+                break
+        self.total += spent
+        return best
+
+
+def machine(device: str) -> str:
+    """What a cached timing is valid for: the device, as named by its maker and by torch."""
+    if device.startswith("cuda"):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (cc {major}.{minor})"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)  # fmt: skip
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        name = f"{info.get('model name', name)} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"  # fmt: skip
+    except OSError:
+        pass
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}{', oneDNN ' + isa if isa else ''}, {torch.get_num_threads()} threads"  # fmt: skip
+
+
+class Timings:
+    """Seconds per candidate: from the JSON cache where it has them ({key: {candidate: seconds}}),
+    the rest timed by `timer` and added. Damaged parts of the file are dropped with a warning."""
+
+    def __init__(self, path: Path | None, where: str, timer, warnings: list):
+        self.path, self.where, self.timer, self.warnings = path, where, timer, warnings
+        self.entries, self.hits, self.dirty = {}, [], False
+        if path is None or not path.exists():
+            return
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+                raise ValueError(f"not a version-{CACHE_VERSION} speed-choice cache")
+            if not isinstance(data.get("entries"), dict):
+                raise ValueError("no 'entries' table")
+            self.entries = data["entries"]
+        except (OSError, ValueError) as e:
+            warnings.append(f"ignoring the damaged speed-choice cache {path} ({e}); measuring again")  # fmt: skip
+
+    def __call__(self, kind: str, shape, candidates: dict) -> dict:
+        """{name: seconds} for candidates {name: make} (make() -> the run to time)."""
+        key = f"{kind}|{self.where}|{json.dumps(shape)}"
+        known = self.entries.get(key, {})
+        if not (isinstance(known, dict) and all(k in NAMES[kind] and isinstance(v, float) and 0 < v < math.inf for k, v in known.items())):  # fmt: skip
+            self.warnings.append(f"ignoring a stale or damaged entry of {self.path}: {key}; measuring again")  # fmt: skip
+            known = {}
+        missing = [c for c in candidates if c not in known]
+        self.hits.append(not missing)
+        for name in missing:
+            rival = min((known[c] for c in candidates if c in known), default=math.inf)
+            known[name] = self.timer(f"{kind}/{name}", candidates[name](), rival)
+        if missing:
+            self.entries[key], self.dirty = known, True
+        return {c: known[c] for c in candidates}
+
+    def save(self) -> None:
+        if self.path is None or not self.dirty:
+            return
+        try:  # merge with what other runs wrote meanwhile; write atomically
+            fresh = Timings(self.path, self.where, None, []).entries
+            data = {"version": CACHE_VERSION, "entries": {**fresh, **self.entries}}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            self.warnings.append(f"cannot write the speed-choice cache {self.path}: {e}")
+
+
+def default_cache_path() -> Path:
+
+    return cache_dir() / "speed_choices.json"
+
+
+def cpu_now() -> tuple | None:
+    """(seconds any CPU was busy, seconds this process ran, wall clock); None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    t = os.times()
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
+    return busy, t.user + t.system, time.perf_counter()
+
+
+def crowding_since(start: tuple | None) -> float:
+    """Cores other processes took, since `start`, beyond those this process's threads leave free."""
+    end = cpu_now()
+    if start is None or end is None:
+        return 0.0
+    busy, own, wall = (b - a for a, b in zip(start, end, strict=True))
+    ticks = 4 / os.sysconf("SC_CLK_TCK")  # both counters move in clock ticks (10 ms): their error
+    spare = (os.cpu_count() or 1) - torch.get_num_threads()
+    return max(0.0, (busy - own - ticks) / max(wall, 1e-6) - spare)
+
+
+def block_flops(s) -> float:
+    """Forward + backward FLOPs of one block for one sequence: 3x the forward's matmuls."""
+    return 3 * s.seq_len * (24 * s.n_embd**2 + 4 * s.seq_len * s.n_embd)
+
+
+def _generator(device: str) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(0)  # the global RNG is never touched
+
+
+def matmul_run(device: str, dtype: str):
+    """The run of a 256^3 matmul in `dtype`."""
+    a = torch.randn(256, 256, device=device, generator=_generator(device)).to(DTYPES[dtype])
+    return lambda: (a @ a, synchronize(device))
+
+
+def newton_schulz_run(device: str, s, dtype: str):
+    """The run of one orthogonalisation in `dtype` of a matrix of each of s.muon's shapes."""
+    gen = _generator(device)
+    mats = [torch.randn(m, device=device, generator=gen) for m in s.muon]
+    return lambda: ([orthogonalise(g, s.ns_steps, DTYPES[dtype]) for g in mats], synchronize(device))  # fmt: skip
+
+
+def block_run(device: str, s, n: int, combo: str):
+    """The run of one transformer block's forward + backward on `n` sequences under the autocast
+    of combo's dtype, with its attention kernel (combo: "bfloat16/matmul")."""
+    from gptrain.model.gpt import Block, GPTConfig
+
+    dtype, kernel = combo.split("/")
+    cfg = GPTConfig(vocab_size=64, block_size=s.seq_len, n_layer=1, n_head=s.n_head, n_embd=s.n_embd, dropout=0.0, bias=s.bias, gelu=s.gelu)  # fmt: skip
+    with torch.device("meta"):
+        block = Block(cfg)
+    block.to_empty(device=device)
+    gen = _generator(device)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            ln_weight = name.startswith("ln_") and name.endswith("weight")
+            p.normal_(1.0 if ln_weight else 0.0, 0.02, generator=gen)
+    block.attn.impl = kernel
+    x = torch.randn(n, s.seq_len, s.n_embd, device=device, generator=gen, requires_grad=True)
+    autocast, _ = mixed_precision(DTYPES[dtype], torch.device(device).type)
+
+    def run():
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        with autocast:
+            y = block(x)
+        y.float().sum().backward()
+        synchronize(device)
+
+    return run
