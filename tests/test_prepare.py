@@ -540,6 +540,9 @@ def test_bad_files_one_line(tmp_path, capsys):
     pq.write_table(pa.table({"body": ["x"] * 5}), tmp_path / "a.parquet")
     code, err = run_cli(capsys, "--input", tmp_path / "a.parquet", "--out", tmp_path / "d")
     assert code == 2 and err.count("\n") == 1 and "a.parquet: no column 'text' (found: body); pass --text-field" in err  # fmt: skip
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "n.parquet")
+    code, err = run_cli(capsys, "--input", tmp_path / "n.parquet", "--out", tmp_path / "d")
+    assert code == 2 and err.count("\n") == 1 and "column 'text' holds int64, not text" in err
     (tmp_path / "b.txt.gz").write_bytes(b"not gzip at all")
     code, err = run_cli(capsys, "--input", tmp_path / "b.txt.gz", "--out", tmp_path / "d")
     assert code == 2 and err.count("\n") == 1 and f"cannot read input file {tmp_path / 'b.txt.gz'}" in err  # fmt: skip
@@ -678,3 +681,13 @@ def test_one_document_in_ranges_cut_by_val_tokens(shakespeare_txt, tmp_path, mon
     assert np.array_equal(tokens(tmp_path / "d", "train"), whole[:-123_457])
     assert np.array_equal(tokens(tmp_path / "d", "val"), whole[-123_457:])
     assert m["documents"] == 1 and [s["tokens"] for s in m["shards"]] == [400_000, 400_000, 191_937, 123_457]  # fmt: skip
+
+
+def test_json_lone_surrogate_is_replaced(tmp_path, gpt2_env):
+    f = tmp_path / "a.jsonl"
+    f.write_text('{"text": "broken \\ud800 pair here"}\n{"text": "fine text"}\n' * 5)
+    m = prepare([str(f)], tmp_path / "d", tokenizer="gpt2", progress=False)
+    from gptrain.data.tokenizers import load_tokenizer
+
+    text = load_tokenizer("gpt2").decode(tokens(tmp_path / "d", "train"))
+    assert m["documents"] == 10 and "broken \ufffd pair here" in text

@@ -89,6 +89,7 @@ def _file_items(path: str, split: int, text_field: str) -> list[dict]:
     ident = {"path": path, "size": st.st_size, "mtime": st.st_mtime_ns, "split": split}
     if base.endswith(".parquet"):
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
             raise UserError(
@@ -102,6 +103,9 @@ def _file_items(path: str, split: int, text_field: str) -> list[dict]:
             raise UserError(
                 f"{path}: no column {text_field!r} (found: {', '.join(meta.schema_arrow.names)}); pass --text-field KEY"
             )
+        kind = meta.schema_arrow.field(text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise UserError(f"{path}: column {text_field!r} holds {kind}, not text; pass --text-field KEY with the text column")  # fmt: skip
         rows = max(meta.metadata.num_rows, 1)
         groups = [meta.metadata.row_group(g).num_rows for g in range(meta.metadata.num_row_groups)]
         return [  # "bytes": the file's share for the progress bar
@@ -180,7 +184,7 @@ def _item_texts(item: dict, settings: dict, replaced: dict):
     """The texts (documents, or one document's piece) an item holds, in order."""
     kind, path, errors = item["kind"], item.get("path"), settings["utf8_errors"]
     if kind == "docs":
-        yield from item["texts"]
+        yield from (text for text in item["texts"] if text)
     elif kind == "parquet":
         import pyarrow.parquet as pq
 

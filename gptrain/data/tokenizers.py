@@ -146,7 +146,11 @@ class GPT2Tokenizer(Tokenizer):
 
     def encode_array(self, text: str) -> np.ndarray:
         # straight into numpy (no Python list): the GIL is held only briefly, so threads scale
-        return self.enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        try:
+            return self.enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800"): replaced, as encode() does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            return self.enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
 
     def decode_bytes(self, ids) -> bytes:
         return self.enc.decode_bytes(self._check_ids(ids))
