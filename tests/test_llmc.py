@@ -219,7 +219,7 @@ def test_bad_llmc_input_one_line(tmp_path, capsys, case, message):
     assert err.count("\n") == 1 and err.startswith("gptrain: error: ") and "Traceback" not in err
     if case in ("truncated", "short", "foreign", "llama3", "version", "big_id"):
         assert str(tmp_path / "train.bin") in err  # names the file
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
 
 def test_export_refuses_other_tokenizers(tmp_path, capsys):

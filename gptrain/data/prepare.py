@@ -180,8 +180,9 @@ def prepare(
         Path(lock.name).unlink(missing_ok=True)  # waiting processes find --out published
         return manifest
     except UserError:
-        if workdir.is_dir() and not any(workdir.glob("*.json")):  # nothing worth keeping
+        if not any(p.stat().st_size for p in workdir.glob("*.tok")):  # no tokens worth keeping
             shutil.rmtree(workdir, ignore_errors=True)
+            Path(lock.name).unlink(missing_ok=True)
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
