@@ -693,3 +693,13 @@ def test_json_lone_surrogate_is_replaced(tmp_path, gpt2_env):
 
     text = load_tokenizer("gpt2").decode(tokens(tmp_path / "d", "train"))
     assert m["documents"] == 10 and "broken \ufffd pair here" in text
+
+
+def test_other_split_settings_reuse_the_tokens(tmp_path, capsys):
+    src = corpus(tmp_path, files=5, rows=20)
+    code, err = run_cli(capsys, "--input", src, "--out", tmp_path / "out", "--val-tokens", "10000000")  # fmt: skip
+    assert code == 2 and "leaving none for training" in err
+    code, err = run_cli(capsys, "--input", src, "--out", tmp_path / "out", "--shuffle-seed", "7", "--shard-tokens", "30000")  # fmt: skip
+    assert code == 0 and "resumed: 5 of 5 parts" in err
+    prepare([str(src)], tmp_path / "ref", shuffle_seed=7, shard_tokens=30_000, progress=False)
+    assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "ref")
