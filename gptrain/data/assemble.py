@@ -1,11 +1,13 @@
 """From tokenized documents to shards: the val split, the train shuffle, the shards and their
 document indexes. Everything per document is a NumPy array; nothing here tokenizes.
 
-Documents are described by three arrays: `part` (which token array holds it), `start` (where it
-begins there) and `length` (its tokens, no end-of-text). A split is a list of document ids in
-order; its token stream is those documents with one end-of-text token between neighbours, cut
-into shards of `shard_tokens`. `SplitLayout` places every document in that stream, so any shard
-can be filled on its own (in any process, in any order) and its document index is arithmetic.
+`Pieces` describes the tokenized text: each piece (a document, or the part of one that one work
+item held) by `part` (which part file holds it), `start` (where it begins there) and `length`
+(its tokens, no end-of-text), and each document by its first piece and piece count. A split is a
+list of document ids in order; its token stream is those documents with one end-of-text token
+between neighbours, cut into shards of `shard_tokens`. `SplitLayout` places every piece in that
+stream, so any shard can be written on its own (`write_shards`: in any process, in any order,
+straight from the part files) and its document index is arithmetic.
 """
 
 from __future__ import annotations
@@ -62,9 +64,9 @@ class Pieces:
 
     part: np.ndarray  # int32: which part holds the piece
     start: np.ndarray  # int64: where in that part
-    length: np.ndarray  # int64: its tokens
+    length: np.ndarray  # int32: its tokens
     doc_first: np.ndarray  # int64: each document's first piece
-    doc_count: np.ndarray  # int64: its pieces
+    doc_count: np.ndarray  # int32: its pieces
     doc_len: np.ndarray  # int64: its tokens
     doc_split: np.ndarray  # int8: 0 chosen later, 1 train, 2 val
 

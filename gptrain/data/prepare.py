@@ -6,14 +6,15 @@ or llm.c GPT-2 shards in, token shards + document indexes + manifest.json out.
     gptrain prepare --input 'fw/*train*.bin' --val-input 'fw/*val*.bin' --out data/fw  # llm.c
     gptrain prepare --verify data/web
 
-Text: documents are tokenized in parallel (`gptrain.data.encode`) into a temporary token file,
-in input order. The val split is --val-input's documents, or documents chosen by a seeded
+Text: work items (files, byte ranges, Parquet row groups) are read and tokenized by the workers
+into resumable parts in `.<out>.parts/` (`gptrain.data.parts`; the same command again reuses
+finished parts). The val split is --val-input's documents, or documents chosen by a seeded
 permutation up to the val budget (--val-fraction of the tokens, at most --val-max-tokens; or
---val-tokens); a single document gives its last val-fraction of characters to val. The train
+--val-tokens); a single text file gives its last val-fraction of characters to val. The train
 documents are shuffled (seeded; --no-shuffle keeps input order). Each split's documents,
-separated by the end-of-text token, are cut into shards (`gptrain.data.assemble`), each with its
-document index. llm.c shards are taken as they are (`gptrain.data.convert`). Everything is
-written in a temporary folder that is renamed to --out only when complete.
+separated by the end-of-text token, are cut into shards written from the parts
+(`gptrain.data.assemble`), each with its document index, in a folder renamed to --out only when
+complete. llm.c shards are taken as they are (`gptrain.data.convert`).
 """
 
 from __future__ import annotations
