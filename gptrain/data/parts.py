@@ -48,7 +48,7 @@ from gptrain.data.tokenizers import load_tokenizer
 from gptrain.errors import UserError
 
 RANGE_BYTES = 32 << 20  # plain text / JSONL files larger than this are read in ranges
-ITEM_CHARS = 4 << 20  # documents handed over as text: about this much per item
+ITEM_CHARS = 1 << 20  # documents handed over as text: about this much per item
 WRITE_TOKENS = 1 << 22
 
 
