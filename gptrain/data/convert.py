@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -42,13 +43,22 @@ def _place(src: Path, dst: Path) -> str:
         return str(src.resolve())
 
 
+def _scan(name: str) -> tuple[int, str, np.ndarray]:
+    count = llmc.read_header(name)
+    return (count, *llmc.scan(name))
+
+
 def import_split(split: str, files: list[str], folder: Path) -> tuple[list[dict], int]:
-    """Manifest entries for one split's llm.c shards (in the given order), and its documents."""
+    """Manifest entries for one split's llm.c shards (in the given order), and its documents.
+    The files are read (hashed, end-of-text found) by a few threads at once: hashing and NumPy
+    release the GIL, and 20 GB is disk-bound."""
+    for name in files:
+        llmc.read_header(name)  # every header checked before any long read
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1, len(files)))) as pool:
+        scans = list(pool.map(_scan, files))
     entries, carry, documents = [], True, 0
-    for i, name in enumerate(files):
+    for i, (name, (count, sha, eots)) in enumerate(zip(files, scans, strict=True)):
         src = Path(name)
-        count = llmc.read_header(src)
-        sha, eots = llmc.scan(src)
         starts = eots + 1
         starts = starts[starts < count]
         if carry and count and (len(eots) == 0 or eots[0] != 0):
