@@ -342,7 +342,7 @@ def test_train_shuffle_seeded_and_recorded(tmp_path):
     assert order["a"] != order["plain"] and order["a"] != order["b"]
     assert documents_of(tmp_path / "a", "val") == documents_of(tmp_path / "plain", "val")
     assert len(a["shards"]) > 3  # documents cross shard boundaries
-    for workers in (1, 2):
+    for workers in (1, 2, 3):
         prepare([str(docs)], tmp_path / f"w{workers}", shuffle_seed=1, workers=workers, **kw)
         assert folder_bytes(tmp_path / f"w{workers}") == folder_bytes(tmp_path / "a")
 
