@@ -420,7 +420,7 @@ def test_kill_9_then_the_same_command_resumes_byte_identical(tmp_path, gpt2_env)
     import sys
     import time
 
-    src = corpus(tmp_path, files=30, rows=150)
+    src = corpus(tmp_path, files=60, rows=100)
     args = ["--input", str(src), "--tokenizer", "gpt2", "--workers", "2", "--shard-tokens", "300000", "--no-progress"]  # fmt: skip
     ref = tmp_path / "ref"
     assert cli(["prepare", *args, "--out", str(ref)]) == 0
@@ -435,11 +435,11 @@ def test_kill_9_then_the_same_command_resumes_byte_identical(tmp_path, gpt2_env)
     os.killpg(proc.pid, signal.SIGKILL)  # the main process and its workers, mid-way
     proc.wait()
     done = len(list(parts.glob("*.json")))
-    assert 10 <= done < 30 and not out.exists()
+    assert 10 <= done < 60 and not out.exists()  # 60: room for a poll delayed by a busy machine
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     resumed = int(proc.stderr.split("resumed: ")[1].split(" of ")[0])
-    assert resumed >= done and "of 30 parts" in proc.stderr
+    assert resumed >= done and "of 60 parts" in proc.stderr
     assert folder_bytes(out) == folder_bytes(ref) and not parts.exists()
 
 
