@@ -43,7 +43,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     try:
         # the hang watchdog (phase: start), then the restart ledger: a start in a crash loop
         # ends here (CrashLoop, exit 4); the ledger records how this attempt ends
-        with Watchdog(cfg.dist.hang_timeout_s, info.rank, log_path) as watchdog, attempts.Ledger(cfg.run, info) as ledger:  # fmt: skip
+        with Watchdog(cfg.dist.hang_timeout_s, info.rank, log_path) as watchdog, attempts.Ledger(cfg.run, info, watchdog) as ledger:  # fmt: skip
             watchdog.on_expiry, preemption.on_signal = ledger.hung, ledger.signal
             return _train(cfg, info, watchdog, ledger, preemption)
     finally:
@@ -53,7 +53,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preemption: Preemption) -> dict:  # fmt: skip
     t = cfg.train
     run = phases.start(cfg, info)  # data, resume, model, loader, logger: every bad input fails here
-    ledger.run, ledger.training = run, True
+    ledger.run, ledger.training, ledger.resumed_step = run, True, run.step
     if preemption.agreed():  # signalled during start-up: nothing trained, nothing new to save
         ledger.outcome = "preempted"
         run.logger.text(
@@ -74,7 +74,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
     # the loop; the watchdog only hears of phase boundaries (a clock read each, no sync)
     run.t_start = t_log = time.perf_counter()
     steps_since_log, last = 0, {}  # last: the latest logged metrics and eval results
-    stopped_by = None
+    stopped_by, saved_at, every_s = None, time.monotonic(), cfg.checkpoint.every_minutes * 60
     try:
         while run.step < t.max_steps:
             watchdog.enter("step", run.step + 1)
@@ -96,8 +96,13 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
             sample_now = final or (cfg.eval.sample_every > 0 and step % cfg.eval.sample_every == 0)
             log_now = step % cfg.log.every == 0 or final or eval_now or sample_now
             log_now = log_now or phases.hellaswag_due(run, step)
-            save_now = final or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
-            stop = preemption.agreed()  # one tiny CPU all-reduce: did any rank get SIGTERM/USR1?
+            if every_s:  # one tiny CPU all-reduce: did any rank get SIGTERM/USR1, or is a save due?
+                stop, due = preemption.agreed_with(time.monotonic() - saved_at >= every_s)
+            else:
+                stop, due = preemption.agreed(), False
+            save_now = (
+                final or due or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
+            )
             if log_now or save_now or stop:  # steps that sync anyway: non-finite and spike policies
                 bad_step = run.nonfinite.check(step)  # raises NonFiniteStop (stop, max_skips)
                 spike = run.spikes.check(run.logger)  # raises NonFiniteStop (train.spike = stop)
@@ -120,6 +125,8 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
             if save_now or stop:  # before eval: an eval that fails cannot cost the checkpoint
                 watchdog.enter("save", step)
                 saved_path = phases.save(run, wait=final or stop)  # complete before exiting
+                saved_at = time.monotonic()
+                ledger.progress()  # the attempt's time accounting so far (goodput), main only
             if log_now:
                 watchdog.enter("eval", step)
                 metrics.update(phases.eval_and_sample(run, step, eval_now, sample_now))
@@ -157,6 +164,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
     if run.bar:
         run.bar.close()
     summary = phases.finish(run, last)
+    ledger.add_goodput(summary, run.logger)  # across every attempt in attempts.jsonl
     run.logger.close()
     return summary
 

@@ -62,9 +62,11 @@ class Watchdog:
         self.enabled = self.fixed != 0
         self._clock = clock
         self._now = ("start", None, clock())  # (phase, step, since): replaced in one assignment
+        self.born = time.time()  # wall-clock start of this process's accounting (the ledger's)
         self._first_step = None  # the step number of this process's first step (it compiles)
         self.slowest: dict[str, float] = {}  # phase -> slowest completed instance (auto budgets)
         self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # seconds spent per phase
+        self.counts: dict[str, int] = dict.fromkeys(PHASES, 0)  # instances completed per phase
         self.first_step_s = 0.0
         self._stop = threading.Event()
         self._thread = None
@@ -95,6 +97,7 @@ class Watchdog:
             return
         spent = now - since
         self.totals[left] = self.totals.get(left, 0.0) + spent
+        self.counts[left] = self.counts.get(left, 0) + 1
         if left == "step" and left_step == self._first_step:
             self.first_step_s += spent  # the compile: not a measure of later steps
         elif spent > self.slowest.get(left, 0.0):

@@ -6,8 +6,12 @@ another (the main process writes them; only it owns run.dir):
     {"event": "start", "attempt": 3, "time": ..., "hosts": ["node0", "node1"], "world_size": 16,
      "start_step": 400, "last_checkpoint": "step_00000400", "max_failed_attempts": 3}
     {"event": "signal", "attempt": 3, "time": ..., "signal": "SIGTERM"}      (preemption notice)
+    {"event": "progress", "attempt": 3, "time": ..., "step": 420, ...}        (after each save)
     {"event": "end", "attempt": 3, "time": ..., "exit": "preempted", "code": 0, "step": 431,
-     "last_checkpoint": "step_00000431", "reason": "..."}
+     "last_checkpoint": "step_00000431", "reason": "...", "startup_s": ..., "step_s": ...}
+
+Progress and end lines carry the attempt's time accounting (the watchdog's phase totals), from
+which `goodput` (summary.json) is computed across all attempts.
 
 `exit` is finished, preempted, interrupted (Ctrl-C), hung (the watchdog, code 3), stopped (the
 non-finite or spike policy), error (code 1), bad input (code 2) or crash loop (code 4). A start
@@ -61,7 +65,7 @@ def read(run_dir: str | Path) -> list[dict]:
             n, event = int(row["attempt"]), row["event"]
         except (ValueError, KeyError, TypeError):
             continue
-        a = attempts.setdefault(n, {"attempt": n, "start": None, "signal": None, "end": None})
+        a = attempts.setdefault(n, {"attempt": n, "start": None, "signal": None, "end": None, "progress": None})  # fmt: skip
         a[event] = row
     return [attempts[n] for n in sorted(attempts) if attempts[n]["start"] is not None]
 
@@ -106,10 +110,12 @@ class Ledger:
     end from the exception that left (or `outcome`, default finished). `undo()` before training
     begins (bad input): the start line, and the file or run.dir if it made them, are removed."""
 
-    def __init__(self, run_cfg: RunConfig, info: dist.DistInfo) -> None:
+    def __init__(self, run_cfg: RunConfig, info: dist.DistInfo, watchdog=None) -> None:
         self.run_dir, self.limit, self.info = Path(run_cfg.dir), run_cfg.max_failed_attempts, info
         self.path = self.run_dir / LEDGER
         self.attempt, self.outcome, self.run = 0, "finished", None  # run: its step at the end
+        self.watchdog = watchdog  # its phase totals are this attempt's time accounting (goodput)
+        self.resumed_step = 0  # the step this attempt started training from
         self.training = False  # set once start-up succeeded: a bad input after it is recorded
         self._undo = None
         self._ended = False
@@ -140,7 +146,7 @@ class Ledger:
         self.attempt = (attempts[-1]["attempt"] if attempts else 0) + 1
         step = int(latest.removeprefix("step_")) if latest.startswith("step_") else 0
         self._write(
-            event="start", hosts=list(dict.fromkeys(hosts)), world_size=self.info.world_size,
+            event="start", time=self.watchdog.born if self.watchdog else time.time(), hosts=list(dict.fromkeys(hosts)), world_size=self.info.world_size,
             start_step=step, last_checkpoint=latest or None, max_failed_attempts=self.limit,
         )  # fmt: skip
         streak = failed_streak(attempts, latest) if self.limit > 0 else []
@@ -194,11 +200,90 @@ class Ledger:
         if not self.info.is_main or self._ended or not self.attempt:
             return
         self._ended = True
-        step = getattr(self.run, "step", None)
         latest = checkpoint.pointer(self.run_dir / "checkpoints") or None
-        self._write(event="end", exit=exit, code=code, step=step, last_checkpoint=latest, reason=reason)  # fmt: skip
+        self._write(event="end", exit=exit, code=code, last_checkpoint=latest, reason=reason, **self.accounting())  # fmt: skip
+
+    def progress(self) -> None:
+        """After a save: this attempt's accounting so far, for goodput if it later dies unheard."""
+        if self.info.is_main and self.attempt:
+            self._write(event="progress", **self.accounting())
+
+    def accounting(self) -> dict:
+        """Where this attempt's time went so far (seconds), from the watchdog's phase totals."""
+        wd, step = self.watchdog, getattr(self.run, "step", None)
+        if wd is None or step is None:  # ended before training began: nothing to account
+            return {"step": step}
+        t = wd.totals
+        return {
+            "step": step, "resumed_step": self.resumed_step, "steps_trained": wd.counts["step"],
+            "startup_s": t["start"], "step_s": t["step"], "first_step_s": wd.first_step_s,
+            "save_s": t["save"], "eval_s": t["eval"],
+        }  # fmt: skip
+
+    def add_goodput(self, summary: dict, logger) -> None:
+        """Main process, at the end: the goodput across every attempt in the ledger (this one up
+        to now) into summary.json, and one line in train.log."""
+        if not self.info.is_main or not self.attempt:
+            return
+        rows = read(self.run_dir)
+        rows[-1]["end"] = {"time": time.time(), **self.accounting()}  # this attempt, live
+        g = summary["goodput"] = goodput(rows)
+        with open(self.run_dir / "summary.json", "w") as f:
+            json.dump(summary, f, indent=2)
+        lost = ", ".join(f"{k.removesuffix('_s')} {g[k]:.0f} s" for k in (*PARTS, "other_s"))
+        logger.text(f"goodput {g['goodput']:.1%} of {g['wall_s']:.0f} s over {g['attempts']} attempt(s) ({lost})")  # fmt: skip
 
     def _write(self, **row) -> None:
-        line = json.dumps({"event": row.pop("event"), "attempt": self.attempt, "time": time.time(), **row})  # fmt: skip
+        row = {"event": row.pop("event"), "attempt": self.attempt, "time": row.pop("time", time.time()), **row}  # fmt: skip
+        line = json.dumps(row)
         with open(self.path, "a") as f:
             f.write(line + "\n")
+
+
+PARTS = ("startup_s", "compile_s", "save_s", "eval_s", "recomputed_s", "gaps_s")
+
+
+def goodput(attempts: list[dict]) -> dict:
+    """Productive step time over wall time across the attempts (their last accounting each: the
+    end line, else the last progress line), with where the rest went:
+
+    - wall: from the first start to the last attempt's last accounting;
+    - productive: the steps that are in the final model, each once, at its attempt's steady step
+      time (the first step of an attempt counts as one steady step; the rest of it is compile);
+    - startup, compile, save (blocking), eval (and samples);
+    - recomputed: steps trained again (after a crash or a rollback);
+    - gaps: between an attempt's last accounting and the next start (queueing, restarting, and for
+      an attempt that died unheard, its time after its last checkpoint);
+    - other: what no phase covers (logging, the final plot)."""
+    out = dict.fromkeys(("productive_s", *PARTS), 0.0)
+    for i, a in enumerate(attempts):
+        r = a["end"] if a["end"] and "step_s" in a["end"] else a.get("progress")
+        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        known = a["start"]["time"]
+        if r is not None and "step_s" in r:
+            known = r["time"]
+            n, steps_s, first = r["steps_trained"], r["step_s"], r["first_step_s"]
+            per = (steps_s - first) / (n - 1) if n > 1 else steps_s
+            compile_s = max(first - per, 0.0) if n > 0 else 0.0
+            steady = steps_s - compile_s
+            until = r["step"] if nxt is None else min(r["step"], _resumed(nxt))
+            productive = min(max(until - r["resumed_step"], 0) * per, steady)
+            out["productive_s"] += productive
+            out["recomputed_s"] += steady - productive
+            out["compile_s"] += compile_s
+            for key in ("startup_s", "save_s", "eval_s"):
+                out[key] += r[key]
+        if nxt is not None:
+            out["gaps_s"] += max(nxt["start"]["time"] - known, 0.0)
+    wall = max(known - attempts[0]["start"]["time"], 1e-9) if attempts else 1e-9
+    out["other_s"] = max(wall - sum(out.values()), 0.0)
+    out = {k: round(v, 3) for k, v in out.items()}
+    return {"goodput": round(out["productive_s"] / wall, 4), "wall_s": round(wall, 3), **out, "attempts": len(attempts)}  # fmt: skip
+
+
+def _resumed(a: dict) -> int:
+    """The step an attempt resumed from: its own accounting's, else what `latest` named."""
+    for r in (a.get("progress"), a["end"]):
+        if r and "resumed_step" in r:
+            return r["resumed_step"]
+    return a["start"].get("start_step") or 0
