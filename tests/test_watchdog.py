@@ -56,7 +56,7 @@ def test_budgets_follow_the_measured_times_per_phase():
     clock.t = 360.0
     wd.enter("step", 4)
     assert wd.budget("eval", 6) == 60.0 and wd.budget("step", 4) == 80.0
-    assert wd.totals == {"start": 20.0, "step": 309.0, "save": 30.0, "eval": 1.0}
+    assert wd.totals == {"start": 20.0, "step": 309.0, "save": 30.0, "eval": 1.0, "upload": 0.0}
 
     fixed = Watchdog(7, 0, clock=clock)
     fixed.enter("step", 11)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gptrain.checkpoint import dcp, folder, full, retention
+from gptrain.checkpoint import dcp, folder, full, mirror, retention
 from gptrain.config.sections import DistConfig
 from gptrain.distributed import faults
 from gptrain.distributed.parallelize import is_sharded, shards
@@ -29,9 +29,38 @@ pointer = folder.pointer
 shared_parameters = folder.shared_parameters
 FORMAT = folder.FORMAT
 TOKENIZER_FILE = folder.TOKENIZER_FILE
-resume_point = retention.resume_point
-prune = retention.prune
 problem = retention.problem
+configure_mirror = mirror.configure  # checkpoint.mirror (main process, before training)
+
+
+def resume_point(run_dir, resume: str) -> tuple[Path | None, list[str]]:
+    """retention.resume_point, looking at the mirror too (when one is configured): under auto or
+    latest, a verified remote checkpoint newer than every valid local one is fetched first."""
+    warnings = []
+    if mirror.active() is not None and resume in ("auto", "latest"):
+        try:
+            local, _ = retention.resume_point(run_dir, "auto")
+        except UserError:  # every local checkpoint is damaged
+            local = None
+        step = folder.load_meta(local)["step"] if local is not None else None
+        warnings = mirror.fetch_newer(run_dir, step)
+    path, skipped = retention.resume_point(run_dir, resume)
+    return path, warnings + skipped
+
+
+def prune(run_dir, newest: int, keep_last: int, keep_every: int) -> list[str]:
+    """Local retention; the folder the mirror is uploading is kept until its upload is done."""
+    busy = mirror.active().busy if mirror.active() is not None else None
+    return retention.prune(run_dir, newest, keep_last, keep_every, protect={busy} - {None})
+
+
+def wait_mirror() -> list[str]:
+    """The end of a run or a preemption stop: the upload in flight (if any) completes. Returns
+    the uploads that failed during the run (their remote `latest` stayed where it was)."""
+    if mirror.active() is None:
+        return []
+    mirror.active().wait()
+    return mirror.active().errors
 
 
 class Pending:
@@ -43,7 +72,10 @@ class Pending:
         self.step, self._finish = step, finish
 
     def wait(self) -> Path | None:
-        return self._finish()
+        path = self._finish()
+        if path is not None and mirror.active() is not None:  # main: upload in the background
+            mirror.active().submit(path)
+        return path
 
 
 def check_async(requested: bool, cfg: DistConfig, info) -> None:

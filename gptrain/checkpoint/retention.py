@@ -117,12 +117,12 @@ def problem(path: Path) -> str | None:
     return None
 
 
-def prune(run_dir: str | Path, newest: int, keep_last: int, keep_every: int) -> list[str]:
+def prune(run_dir: str | Path, newest: int, keep_last: int, keep_every: int, protect=frozenset()) -> list[str]:  # fmt: skip
     """Retention after checkpoint `newest` was written and named in `latest`: of the folders of
     steps <= newest, keep the newest keep_last (newest among them) and every step that is a
     multiple of keep_every (when > 0); delete the rest, each renamed away first so that no
-    half-deleted folder is ever visible. Leftovers of interrupted saves go too. Returns the
-    deleted names."""
+    half-deleted folder is ever visible. Leftovers of interrupted saves go too. Folders named in
+    `protect` (the one the mirror is uploading) are kept. Returns the deleted names."""
     root = Path(run_dir) / "checkpoints"
     for p in root.glob(".old-*"):  # a re-save interrupted between its renames: keep the copy
         if not (root / p.name.removeprefix(".old-")).exists() and _step_of(p.name) is not None:
@@ -132,7 +132,7 @@ def prune(run_dir: str | Path, newest: int, keep_last: int, keep_every: int) -> 
         for p in root.glob(f"{folder.STEP_PREFIX}*")
         if (s := _step_of(p.name)) is not None and s <= newest
     )
-    keep = set(steps[-keep_last:]) | {newest}
+    keep = set(steps[-keep_last:]) | {newest} | {_step_of(n) for n in protect}
     keep |= {s for s in steps if keep_every > 0 and s % keep_every == 0}
     deleted = []
     for s in steps:

@@ -51,7 +51,9 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 
 
 def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preemption: Preemption) -> dict:  # fmt: skip
-    t = cfg.train
+    t, c = cfg.train, cfg.checkpoint
+    # checkpoint.mirror: reachable and writable, or one line now (main process; it alone uploads)
+    dist.on_main(info, lambda: checkpoint.configure_mirror(c.mirror, c.keep_last, c.keep_every))
     run = phases.start(cfg, info)  # data, resume, model, loader, logger: every bad input fails here
     ledger.run, ledger.training, ledger.resumed_step = run, True, run.step
     if preemption.agreed():  # signalled during start-up: nothing trained, nothing new to save
@@ -155,6 +157,9 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
             )
         run.close()
         raise
+    watchdog.enter("upload")  # the last checkpoint reaches checkpoint.mirror before the end
+    for failed in checkpoint.wait_mirror():
+        run.logger.text(f"warning: mirror upload of {failed}")
     watchdog.stop()
     run.loader.close()
     if stopped_by:  # the run is not finished: no final summary or plot

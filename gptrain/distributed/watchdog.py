@@ -40,7 +40,7 @@ MIN_S = 60.0  # auto never goes below this
 FACTOR = 10.0  # auto: this times the slowest instance seen
 BOUNDED_S = 10.0  # each expiry action (stack dump, flight recorder, ledger) gets this long
 
-PHASES = ("start", "step", "save", "eval")
+PHASES = ("start", "step", "save", "eval", "upload")  # upload: waiting for the mirror at the end
 
 
 def parse(setting: int | str) -> float | None:

@@ -217,7 +217,7 @@ class Ledger:
         return {
             "step": step, "resumed_step": self.resumed_step, "steps_trained": wd.counts["step"],
             "startup_s": t["start"], "step_s": t["step"], "first_step_s": wd.first_step_s,
-            "save_s": t["save"], "eval_s": t["eval"],
+            "save_s": t["save"] + t["upload"], "eval_s": t["eval"],
         }  # fmt: skip
 
     def add_goodput(self, summary: dict, logger) -> None:
