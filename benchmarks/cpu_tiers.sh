@@ -62,9 +62,9 @@ EOF
       for attempt in first cached; do
         echo "$config, $attempt run:"
         run env GPTRAIN_CACHE="$scratch/cache" "$PY" -m gptrain train --config "configs/$config.toml" \
-          --data.dir="$scratch/data" --train.max_steps=1 --eval.every=0 --eval.tokens=65536 \
+          --data.dir="$scratch/data" --train.max_steps=1 --optim.warmup_steps=0 --eval.every=0 --eval.tokens=65536 \
           --eval.sample_every=0 --checkpoint.every=0 --run.dir="$scratch/startup-$config-$attempt" \
-          --log.progress=false 2>&1 | grep -i "choice" | head -3 || true
+          --log.progress=false 2>&1 | grep -o "speed choices in [^;]*" | cut -c1-160 || true
       done
     done
   fi
