@@ -81,6 +81,16 @@ def test_bad_input_writes_nothing(byte_data, tmp_path, capsys):
     assert "run.max_failed_attempts = -1 must be >= 0" in err[-1]
 
 
+def finish(p, timeout=120):
+    """(stdout, stderr) of a started run; killed if it outlives `timeout` (no orphans)."""
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+
+
 def start(byte_data, run_dir, *extra, fault=""):
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
     cmd += [f"--run.dir={run_dir}", "--train.max_steps=6", *(f"--{q}" for q in QUICK), *extra]
@@ -94,7 +104,7 @@ def test_crash_after_resume_stops_with_exit_4_after_exactly_the_configured_attem
     codes = []
     for _ in range(4):  # what a requeue loop would do
         p = start(byte_data, run_dir, "--run.max_failed_attempts=2", fault="crash@5")
-        _, err = p.communicate(timeout=120)
+        _, err = finish(p)
         codes.append(p.returncode)
     assert codes == [1, 1, attempts.EXIT_CRASH_LOOP, attempts.EXIT_CRASH_LOOP]
     line = err.strip().splitlines()
@@ -106,7 +116,7 @@ def test_crash_after_resume_stops_with_exit_4_after_exactly_the_configured_attem
     assert (run_dir / "train.log").read_text().count("resumed from") == 2  # refusals load nothing
     # fixed (no fault): one start with the check off finishes, and counting starts again after it
     p = start(byte_data, run_dir, "--run.max_failed_attempts=0")
-    assert p.wait(timeout=120) == 0 and checkpoint.latest(run_dir).name == "step_00000006"
+    assert finish(p) and p.returncode == 0 and checkpoint.latest(run_dir).name == "step_00000006"
 
 
 def test_preempted_as_often_never_stops(byte_data, tmp_path):
@@ -121,7 +131,7 @@ def test_preempted_as_often_never_stops(byte_data, tmp_path):
         while f'"attempt": {n},' not in ledger.read_text() and time.time() < deadline:
             time.sleep(0.01)
         p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=120)
+        _, err = finish(p)
         assert p.returncode == 0, err[-2000:]
         assert checkpoint.latest(run_dir).name == "step_00000004"  # nothing new: preempted only
     log = (run_dir / "train.log").read_text()
@@ -130,7 +140,7 @@ def test_preempted_as_often_never_stops(byte_data, tmp_path):
     assert [a["signal"]["signal"] for a in rows[1:]] == ["SIGTERM"] * 3
     assert [a["end"]["exit"] for a in rows[1:]] == ["preempted"] * 3
     p = start(byte_data, run_dir, "--run.max_failed_attempts=2")
-    assert p.wait(timeout=120) == 0 and checkpoint.latest(run_dir).name == "step_00000006"
+    assert finish(p) and p.returncode == 0 and checkpoint.latest(run_dir).name == "step_00000006"
 
 
 def test_a_hung_attempt_is_recorded_and_counts(byte_data, tmp_path):
@@ -140,7 +150,7 @@ def test_a_hung_attempt_is_recorded_and_counts(byte_data, tmp_path):
     p = start(
         byte_data, run_dir, "--dist.hang_timeout_s=2", fault="hang@6"
     )  # (step 5, the first, has 1 h)
-    _, err = p.communicate(timeout=120)
+    _, err = finish(p)
     assert p.returncode == watchdog.EXIT_CODE, err[-2000:]
     end = attempts.read(run_dir)[-1]["end"]
     assert end["exit"] == "hung" and end["code"] == 3 and "hung: step 6" in end["reason"]

@@ -99,7 +99,12 @@ def wait_hung(proc, limit=BUDGET + 30):
         if "fault injection" in line:
             break
     fired = time.monotonic()
-    _, rest = proc.communicate(timeout=limit + 60)
+    try:
+        _, rest = proc.communicate(timeout=limit + 60)
+    except subprocess.TimeoutExpired:  # no orphan left sleeping forever
+        proc.kill()
+        proc.communicate()
+        raise
     ended = time.monotonic() - fired
     return proc.returncode, lines + rest.splitlines(), ended
 

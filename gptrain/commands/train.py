@@ -29,7 +29,8 @@ from gptrain.config.sections import Config, load_config
 from gptrain.distributed import failures, faults, launch
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.watchdog import Watchdog, flight_recorder_env
-from gptrain.training import attempts, batch
+from gptrain.errors import UserError
+from gptrain.training import attempts, batch, saving
 from gptrain.training import run as phases
 from gptrain.training.guards import NonFiniteStop, Preemption
 from gptrain.training.optim import lr_at, set_lr
@@ -113,9 +114,9 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
                     bad_step, why = spike, "loss spike"
                 if bad_step is not None:  # rollback: past the first bad step's batch
                     watchdog.enter("save", step)  # reading a checkpoint: the save's budget
-                    phases.publish(run)  # a pending save is a checked step's: roll back to it
+                    saving.publish(run)  # a pending save is a checked step's: roll back to it
                     run.rollbacks += 1
-                    phases.roll_back(run, bad_step, step, why)
+                    saving.roll_back(run, bad_step, step, why)
                     steps_since_log, t_log = 0, time.perf_counter()
                     if run.bar:
                         run.bar.n = run.step
@@ -126,7 +127,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
                     metrics.update(spikes=run.spikes.count, rollbacks=run.rollbacks)
             if save_now or stop:  # before eval: an eval that fails cannot cost the checkpoint
                 watchdog.enter("save", step)
-                saved_path = phases.save(run, wait=final or stop)  # complete before exiting
+                saved_path = saving.save(run, wait=final or stop)  # complete before exiting
                 saved_at = time.monotonic()
                 ledger.progress()  # the attempt's time accounting so far (goodput), main only
             if log_now:
@@ -149,7 +150,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
     except (KeyboardInterrupt, NonFiniteStop) as e:
         run.loader.close()
         if isinstance(e, NonFiniteStop):  # every rank stops here: a pending save is published
-            phases.publish(run)
+            saving.publish(run)
             run.logger.text(f"stopped: {e}", echo=False)  # main() prints it once
         elif info.is_main:  # only the main process reads the run directory
             run.logger.text(
@@ -174,14 +175,45 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
     return summary
 
 
+def check_node_counts(cfg: Config, nproc: int, low: int, high: int) -> None:
+    """Every node count the job may run on (dist.nnodes = MIN:MAX) must divide the global batch;
+    else one line naming the node counts that do (the nearest ones first)."""
+    bad = []
+    for n in range(low, high + 1):
+        try:
+            batch.plan(cfg.train, nproc * n)
+        except UserError as e:
+            if low == high:
+                raise
+            bad.append((n, e))
+    if bad:
+        fits = [
+            n for n in range(1, 4 * high + 1) if n not in dict(bad) and _divides(cfg, nproc * n)
+        ]
+        near = sorted(fits, key=lambda n: (min(abs(n - low), abs(n - high)), n))[:4]
+        raise UserError(
+            f"dist.nnodes = {cfg.dist.nnodes!r} with {nproc} process(es) per node: world size {nproc * bad[0][0]} ({bad[0][0]} nodes) cannot divide "
+            f"train.total_batch_size = {cfg.train.total_batch_size} ({str(bad[0][1]).split(';')[0]}); node counts that can: {', '.join(map(str, sorted(near))) or 'none'}; "
+            "choose MIN:MAX among them, or a total_batch_size that every node count divides"
+        )
+
+
+def _divides(cfg: Config, world: int) -> bool:
+    try:
+        batch.plan(cfg.train, world)
+        return True
+    except UserError:
+        return False
+
+
 def main(argv: list[str]) -> int:
     config_file, overrides = parse_cli(argv, __doc__)
     cfg = load_config(config_file, overrides)
     faults.install(int(os.environ.get("RANK", "0")))  # GPTRAIN_FAULT: malformed is exit 2 here
     if "RANK" not in os.environ:  # not under torchrun: maybe launch the workers ourselves
-        nproc, nnodes = launch.nproc_for(cfg.dist.nproc_per_node), cfg.dist.nnodes
-        if nproc > 1 or nnodes > 1:
-            batch.plan(cfg.train, nproc * nnodes)  # fail before spawning anything
+        nproc, (low, high) = launch.nproc_for(cfg.dist.nproc_per_node), launch.node_range(cfg.dist.nnodes)  # fmt: skip
+        if nproc > 1 or high > 1:
+            check_node_counts(cfg, nproc, low, high)  # fail before spawning anything
             return launch.launch(nproc, argv, cfg.dist)
     info = dist.DistInfo.from_env(cfg.train.device)
     if info.device_type == "cuda" and cfg.dist.hang_timeout_s != 0:  # before the NCCL group

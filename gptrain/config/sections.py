@@ -103,6 +103,16 @@ class TrainConfig:
         ("skip", "stop", "rollback"),
     )
     max_skips: int = opt(10, "this many consecutive skipped steps stop the run")
+    spike: str = opt(
+        "off",
+        "finite loss spikes: a step whose global loss or gradient norm is more than train.spike_z standard deviations above the mean of the last train.spike_window steps (decided on logging and saving steps, once the window is full): off, log (a line in train.log), stop (exit 1, nothing saved after it) or rollback (reload the newest checkpoint, data cursor past the spike's batch)",
+        ("off", "log", "stop", "rollback"),
+    )
+    spike_z: float = opt(6.0, "train.spike: the z-score above which a step is a loss spike")
+    spike_window: int = opt(
+        128,
+        "train.spike: the steps (>= 2) whose mean and standard deviation a step is compared with",
+    )
 
 
 @dataclass(frozen=True)
@@ -164,11 +174,19 @@ class EvalConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = opt(100, "save a checkpoint every N steps (and at the end); 0 only at the end")
+    every_minutes: float = opt(
+        0.0,
+        "also save when this many minutes have passed since the attempt's last save (or its start), by any rank's clock (agreed in the per-step all-reduce); 0: off",
+    )
     resume: str = opt(
         "auto",
         "auto: continue from run.dir's newest valid checkpoint when there is one (damaged newer ones are skipped with a warning); latest: require one; none: start fresh (refused when run.dir has checkpoints); or a step number",
     )
     keep_last: int = opt(3, "keep the newest N checkpoints (older ones are deleted after a save)")
+    mirror: str = opt(
+        "",
+        "off-node copies: an fsspec URL (file:///mnt/shared/run, s3://bucket/run, gs://bucket/run) that each published checkpoint is uploaded to in the background and read back (sha256 against meta.json) before the remote `latest` moves; resume = auto also looks there (the local run.dir may be gone) and falls back across damaged copies; remote retention follows keep_last / keep_every and keeps the last verified copy; unreachable or without credentials: one line before training. Empty: off",
+    )
     keep_every: int = opt(
         0, "also keep every checkpoint whose step is a multiple of N forever; 0: none"
     )
@@ -199,9 +217,9 @@ class DistConfig:
         "1",
         "processes to launch on this machine through torch.distributed.run: N or auto (one per GPU, 1 on CPU); ignored under torchrun",
     )
-    nnodes: int = opt(
+    nnodes: int | str = opt(
         1,
-        "machines in the job when gptrain launches the workers itself (run the same command on each); ignored under torchrun",
+        "machines in the job when gptrain launches the workers itself (run the same command on each): N, or MIN:MAX for an elastic job (torch's elastic agent: when a node is lost the others re-form and resume from the last checkpoint with the same global batch; a node that joins makes the others save and re-form); ignored under torchrun",
     )
     rdzv_endpoint: str = opt(
         "",
@@ -278,8 +296,8 @@ def type_name(typ) -> str:
 def _coerce(key: str, value, typ: type, from_cli: bool):
     """Check (file) or parse (CLI string) one value; UserError naming the key when it does not fit."""
     if typ == INT_OR_AUTO:
-        if value == "auto":
-            return value
+        if value == "auto" or (key == "dist.nnodes" and isinstance(value, str) and not value.strip().isdigit()):  # fmt: skip
+            return value  # dist.nnodes = MIN:MAX (elastic): checked in validate.py
         if from_cli:
             try:
                 return _coerce(key, value, int, from_cli)

@@ -83,6 +83,10 @@ def validate(cfg) -> None:
         f"eval.tokens = {cfg.eval.tokens} is less than one window of train.seq_len = {t.seq_len}",
     )
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0")
+    _check(
+        cfg.checkpoint.every_minutes >= 0,
+        f"checkpoint.every_minutes = {cfg.checkpoint.every_minutes} must be >= 0 (0: off)",
+    )
     c = cfg.checkpoint
     _check(
         c.keep_last >= 1,
@@ -105,6 +109,11 @@ def validate(cfg) -> None:
             f"checkpoint.async = true needs torch.distributed.checkpoint.async_save (torch >= 2.3); this is torch {torch.__version__}: upgrade torch or use checkpoint.async=false",
         )
     _check(t.max_skips >= 1, f"train.max_skips = {t.max_skips} must be >= 1")
+    _check(
+        t.spike_window >= 2,
+        f"train.spike_window = {t.spike_window} must be >= 2 (a standard deviation needs 2 steps), e.g. 128",
+    )
+    _check(t.spike_z > 0, f"train.spike_z = {t.spike_z} must be > 0, e.g. 6")
     r = cfg.checkpoint.resume
     _check(
         r in ("auto", "latest", "none") or r.isdigit(),
@@ -121,10 +130,15 @@ def validate(cfg) -> None:
         h == "auto" or (isinstance(h, int) and h >= 0),
         f"dist.hang_timeout_s = {h!r}; allowed: auto, a whole number of seconds, or 0 (off)",
     )
-    _check(cfg.dist.nnodes >= 1, f"dist.nnodes = {cfg.dist.nnodes} must be >= 1")
+    nn = cfg.dist.nnodes
+    low, colon, high = str(nn).partition(":")
+    _check(
+        low.isdigit() and (high.isdigit() or not colon) and 1 <= int(low) <= int(high or low),
+        f"dist.nnodes = {nn!r}; allowed: a whole number >= 1, or MIN:MAX with 1 <= MIN <= MAX for an elastic job, e.g. 1:4",
+    )
     ep = cfg.dist.rdzv_endpoint
     _check(
-        cfg.dist.nnodes == 1 or ep.rpartition(":")[2].isdigit(),
+        str(nn) in ("1", "1:1") or ep.rpartition(":")[2].isdigit(),
         f"dist.nnodes = {cfg.dist.nnodes} needs dist.rdzv_endpoint=HOST:PORT (a port on one of the nodes), got {ep!r}",
     )
     n = cfg.dist.nproc_per_node

@@ -2,7 +2,9 @@
 
 Outside torchrun, gptrain re-runs itself as N workers per machine through torch's own elastic
 launcher, `torch.distributed.run` (never a home-made spawn): standalone on one machine, or one of
-dist.nnodes machines meeting at a c10d rendezvous (the same command runs on every node). Bad
+dist.nnodes machines meeting at a c10d rendezvous (the same command runs on every node). With
+dist.nnodes = MIN:MAX the job is elastic: torch's agent re-forms the worker group when a node is
+lost or joins, and the workers resume from the last checkpoint on the new world size. Bad
 input (more processes than devices, an endpoint that cannot be resolved or reached) is a one-line
 UserError before anything starts.
 """
@@ -10,6 +12,7 @@ UserError before anything starts.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -23,6 +26,16 @@ from gptrain.errors import UserError, first_line
 
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # torchrun's defaults + USR1
 HUNG, CRASH_LOOP = 3, 4  # the workers' exit codes: watchdog.EXIT_CODE, attempts.EXIT_CRASH_LOOP
+ELASTIC_RESTARTS = 100  # an elastic job's worker-group restarts (a lost node costs one; the
+# restart ledger's crash-loop stop, exit 4, ends a real crash loop long before)
+
+
+def node_range(spec: int | str) -> tuple[int, int]:
+    """dist.nnodes (N or MIN:MAX, checked by validate.py) -> (MIN, MAX)."""
+    low, _, high = str(spec).partition(":")
+    return int(low), int(high or low)
+
+
 SHUTDOWN_S = 120  # seconds the workers get to save after a forwarded signal
 
 
@@ -95,10 +108,20 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
-    if cfg.nnodes > 1:
+    low, high = node_range(cfg.nnodes)
+    if high > 1:
         check_endpoint(cfg.rdzv_endpoint, cfg.timeout_s)
-        args = [f"--nnodes={cfg.nnodes}", "--rdzv_backend=c10d"]
+        args = [
+            f"--nnodes={low}:{high}" if low < high else f"--nnodes={low}",
+            "--rdzv_backend=c10d",
+        ]
         args += [f"--rdzv_endpoint={cfg.rdzv_endpoint}", f"--rdzv_id={cfg.rdzv_id}"]
+        if low < high:  # elastic: survivors re-form (a restart of the worker group each time)
+            args += [f"--max-restarts={ELASTIC_RESTARTS}"]
+            # a node that joins a running job waits forever for the round's MASTER_ADDR when the
+            # agents share the rendezvous TCPStore (torch 2.13: rank 0 of an earlier round keeps
+            # its cached address and never writes it again); each round then builds its own
+            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     else:
         args = ["--standalone"]
     # SIGTERM and SIGUSR1 (preemption, see guard.py) are forwarded to the workers, which save at

@@ -1,4 +1,4 @@
-"""The phases around `train()`'s loop, in the order a run meets them (gptrain/commands/train.py calls them):
+"""The phases around `train()`'s loop (its checkpoint phases: training/saving.py), in the order a run meets them (gptrain/commands/train.py calls them):
 
     start            data, resume point, model + optimizer, micro-batch, loader, logger, first line
     eval_and_sample  validation loss and bits/byte, HellaSwag, a text sample (every rank takes part)
@@ -53,7 +53,7 @@ from gptrain.logs.mfu import (
 from gptrain.training import batch
 from gptrain.training.build import build_training
 from gptrain.training.choices import Choices
-from gptrain.training.guards import NonFinite, NonFiniteStop
+from gptrain.training.guards import NonFinite, Spikes
 
 EVAL_KEYS = ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm")
 
@@ -76,6 +76,7 @@ class Run:
     loader: TrainLoader
     val: ValLoss  # evals/task.py's shape, like hellaswag
     nonfinite: NonFinite
+    spikes: Spikes  # train.spike: the loss-spike detector (guards.py)
     hellaswag: HellaSwag | None
     logger: NullLogger  # a RunLogger on the main process
     bar: tqdm | None  # the progress bar (main process, log.progress)
@@ -128,7 +129,13 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
             )
 
     built = build_training(
-        cfg, info, dataset.vocab_size, t.dtype, t.compile, saved_arch=saved.get("model")
+        cfg,
+        info,
+        dataset.vocab_size,
+        t.dtype,
+        t.compile,
+        saved_arch=saved.get("model"),
+        saved_choices=saved.get("speed_choices"),
     )
     model, wrapped, optimizer, ptdtype, autocast, scaler = built
     # micro_batch_size = auto on a GPU: the largest candidate that fits (trial steps)
@@ -166,6 +173,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
             byte_lengths=torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device),
         ),
         nonfinite=NonFinite(t.nonfinite, t.max_skips, optimizer, scaler, info.device, fsdp),
+        spikes=Spikes(t.spike, t.spike_z, t.spike_window),
         hellaswag=task_for(
             cfg.eval.hellaswag,
             cfg.eval.hellaswag_limit,
@@ -182,6 +190,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
             "data_dir": str(data_dir),
             "micro_batch_size": mb,
             "config": to_toml(cfg),
+            "speed_choices": built.choices.decisions(),  # a resume computes the same way
         },
         ckpt=ckpt,
         choices=built.choices,
@@ -193,6 +202,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
         run.step, run.tokens = ts["step"], ts["tokens"]
         run.elapsed_before, run.rollbacks = ts.get("elapsed_s", 0.0), ts.get("rollbacks", 0)
         run.nonfinite.set_count(ts.get("skipped", 0))
+        run.spikes.load_state_dict(ts.get("spikes"))
         if ts.get("world_size") != info.world_size:
             torch.manual_seed(t.seed + 1000 * info.rank + run.step)
     else:
@@ -283,35 +293,6 @@ def eval_and_sample(run: Run, step: int, eval_now: bool, sample_now: bool) -> di
     return out
 
 
-def publish(run: Run):
-    """Collective: complete the pending save (rename, `latest`), then retention; its path."""
-    done, run.pending = run.pending, None
-    if done is None:
-        return None
-    path = done.wait()
-    c = run.cfg.checkpoint
-    dist.on_main(run.info, lambda: checkpoint.prune(run.cfg.run.dir, done.step, c.keep_last, c.keep_every))  # fmt: skip
-    run.logger.text(f"step {done.step}: checkpoint {path}")
-    return path
-
-
-def save(run: Run, wait: bool):
-    """Checkpoint run.step; with checkpoint.async and not `wait`, it completes at the next save."""
-    publish(run)  # at most one save pending: the previous one first
-    state = {
-        "step": run.step,
-        "tokens": run.tokens,
-        "elapsed_s": run.elapsed_before + time.perf_counter() - run.t_start,
-        "skipped": run.nonfinite.count(),
-        "rollbacks": run.rollbacks,
-    }
-    run.pending = checkpoint.save(  # DCP shards under FSDP2, else a full checkpoint
-        run.cfg.run.dir, run.step, run.model, run.optimizer, run.loader, state,
-        {**run.meta, "tokens": run.tokens, **run.best}, run.info, background=run.cfg.checkpoint.async_,
-    )  # fmt: skip
-    return publish(run) if wait or not run.cfg.checkpoint.async_ else None
-
-
 def step_metrics(run: Run, loss_sum, grad_norm, lr: float, steps: int, since: float) -> dict:
     """A logging step's metrics over the `steps` steps since `since` (the loop's host syncs)."""
     t = run.cfg.train
@@ -394,26 +375,3 @@ def finish(run: Run, last: dict) -> dict:
             f"{vals}; {tok_per_s:,.0f} tok/s, MFU {mfu_now:.1%}; plot {plot_path}"
         )
     return summary
-
-
-def roll_back(run: Run, bad_step: int, step: int) -> None:
-    """train.nonfinite = rollback (collective): reload the newest valid checkpoint and move the data
-    cursor past the batch of `bad_step` (the steps since the checkpoint are trained again on the
-    data that follows it); run.step and run.tokens become the checkpoint's."""
-    per_step = run.cfg.train.total_batch_size // run.cfg.train.seq_len  # windows per step
-    past_bad = run.loader.windows_consumed - (step - bad_step) * per_step
-    ckpt, _ = dist.from_main(run.info, lambda: checkpoint.resume_point(run.cfg.run.dir, "auto"))
-    if ckpt is None:
-        raise NonFiniteStop(
-            f"step {bad_step}: the loss or gradient norm is not finite and train.nonfinite = rollback, but there is no checkpoint to roll back to yet; "
-            "lower optim.lr or save earlier (checkpoint.every)"
-        )
-    meta = dist.from_main(run.info, lambda: checkpoint.load_meta(ckpt))
-    ts = checkpoint.restore(ckpt, meta, run.model, run.optimizer, run.loader, run.info)
-    run.nonfinite.set_count(ts.get("skipped", 0))
-    run.loader.skip_windows(past_bad - run.loader.windows_consumed)
-    run.logger.rewind(ts["step"])  # the steps after the checkpoint are logged again
-    run.logger.text(
-        f"step {bad_step}: non-finite loss or gradient norm; rolled back to {ckpt.name}, data cursor moved past step {bad_step}'s batch"
-    )
-    run.step, run.tokens = ts["step"], ts["tokens"]
