@@ -30,6 +30,9 @@ ELASTIC_RESTARTS = 100  # an elastic job's worker-group restarts (a lost node co
 # restart ledger's crash-loop stop, exit 4, ends a real crash loop long before)
 
 
+FRESH_STORE = "GPTRAIN_FRESH_STORE_PER_ROUND"  # set for the workers of an elastic job
+
+
 def node_range(spec: int | str) -> tuple[int, int]:
     """dist.nnodes (N or MIN:MAX, checked by validate.py) -> (MIN, MAX)."""
     low, _, high = str(spec).partition(":")
@@ -120,8 +123,10 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
             args += [f"--max-restarts={ELASTIC_RESTARTS}"]
             # a node that joins a running job waits forever for the round's MASTER_ADDR when the
             # agents share the rendezvous TCPStore (torch 2.13: rank 0 of an earlier round keeps
-            # its cached address and never writes it again); each round then builds its own
-            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+            # its cached address and never writes it again): each round's rank 0 worker hosts a
+            # new store instead, so the workers need no per-restart namespace (FRESH_STORE)
+            os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            os.environ[FRESH_STORE] = "1"
     else:
         args = ["--standalone"]
     # SIGTERM and SIGUSR1 (preemption, see guard.py) are forwarded to the workers, which save at

@@ -1,0 +1,147 @@
+"""Elastic node count (dist.nnodes = MIN:MAX through torch's elastic agent): malformed ranges and
+node counts that cannot divide the global batch are one line before anything starts; two loopback
+agents with --dist.nnodes=1:2: one is killed with its worker mid-run (a lost node), the other
+re-forms at world size 1 and finishes on the same tokens, within float tolerance of an
+uninterrupted run; the agent started again makes the job save, re-form at world size 2 and go on
+from that very step."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dist_helpers as h
+import pytest
+import torch
+from test_train import DEBUG, run, weights
+
+from gptrain.__main__ import main as cli
+from gptrain.checkpoint import manager as checkpoint
+
+
+@pytest.mark.parametrize(
+    "nodes, needle",
+    [
+        ("2:1", "dist.nnodes = '2:1'; allowed: a whole number >= 1, or MIN:MAX"),
+        ("0:2", "dist.nnodes = '0:2'"),
+        ("1:2:3", "dist.nnodes = '1:2:3'"),
+        ("x", "dist.nnodes = 'x'"),
+        ("1:3", "world size 3 (3 nodes) cannot divide train.total_batch_size = 1024"),
+    ],
+)
+def test_bad_node_ranges_are_one_line_exit_2(tmp_path, capsys, nodes, needle):
+    run_dir = tmp_path / "r"
+    argv = ["train", "--config", DEBUG, f"--run.dir={run_dir}", f"--dist.nnodes={nodes}"]
+    argv += ["--dist.nproc_per_node=1", "--dist.rdzv_endpoint=127.0.0.1:29555"]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    if nodes == "1:3":
+        assert "node counts that can: 1, 2" in err[0]
+    assert not run_dir.exists()
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (an agent's workers: torch starts them in new sessions)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(p.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def lose_node(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent and its workers at once, as when the machine goes away."""
+    workers = children(agent.pid)
+    agent.kill()
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    agent.wait()
+
+
+def port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def log_lines(run_dir: Path) -> list[str]:
+    path = run_dir / "train.log"
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+def wait_for(predicate, procs, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting (or an agent ended)")
+
+
+@pytest.mark.slow
+def test_two_loopback_agents_lose_a_node_and_get_it_back(byte_data, tmp_path):
+    steps = 400
+    common = [f"train.max_steps={steps}", "train.micro_batch_size=4", "checkpoint.every=5"]
+    common += ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
+    common += ["optim.warmup_steps=1", "log.every=1", "log.progress=false", "train.dtype=float32"]
+    run(byte_data, tmp_path / "ref", *common)  # uninterrupted, one process
+    run_dir, port = tmp_path / "el", h.free_port()
+    cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    cmd += [f"--run.dir={run_dir}", *(f"--{c}" for c in common), "--dist.nnodes=1:2"]
+    cmd += ["--dist.nproc_per_node=1", f"--dist.rdzv_endpoint=127.0.0.1:{port}"]
+
+    logs = []
+
+    def agent():  # stderr to a file: an unread pipe fills up and blocks the agent
+        logs.append(tmp_path / f"agent{len(logs)}.err")
+        return subprocess.Popen(cmd, env=h.env(), stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w"), start_new_session=True)  # fmt: skip
+
+    a = agent()  # first, so that its agent hosts the rendezvous store (torch's c10d backend
+    b = None  # cannot lose the node that hosts it: on a cluster, that is the endpoint's node)
+    try:
+        wait_for(lambda: port_open(port), [a], 120)
+        b = agent()
+        wait_for(lambda: any("checkpoint" in x and "step_00000015" in x for x in log_lines(run_dir)), [a, b], 180)  # fmt: skip
+        assert "world size 2" in log_lines(run_dir)[0]
+        lose_node(b)
+        resumed = lambda: [x for x in log_lines(run_dir) if x.startswith("resumed from")]  # noqa: E731
+        wait_for(lambda: len(resumed()) == 1, [a], 180)  # re-formed (after torch's last call, 30 s)
+        assert "world size 1, micro-batch 4, accumulation 4" in resumed()[0]
+        b = agent()  # the node comes back: the job saves, re-forms at 2 and goes on from there
+        wait_for(lambda: len(resumed()) == 2, [a, b], 180)
+        a.wait(timeout=300)
+        b.wait(timeout=300)
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                lose_node(p)
+    assert a.returncode == 0 and b.returncode == 0, [p.read_text()[-3000:] for p in logs]
+    lines = log_lines(run_dir)
+    stopped = [x for x in lines if x.startswith("stopped by SIGTERM at step")]
+    assert len(stopped) == 1, lines[-20:]
+    at = int(stopped[0].split("at step ")[1].split(":")[0])
+    assert (
+        f"resumed from {run_dir / 'checkpoints' / f'step_{at:08d}'}" in resumed()[1]
+    )  # no step lost
+    assert "world size 2, micro-batch 4, accumulation 2" in resumed()[1]
+    losses = [{r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "loss" in r} for d in (tmp_path / "ref", run_dir)]  # fmt: skip
+    assert sorted(losses[1]) == list(range(1, steps + 1))  # every step once
+    for step in losses[0]:  # world size 2, 1, 2 against 1 throughout: float tolerance only
+        assert losses[1][step] == pytest.approx(losses[0][step], rel=1e-4), step
+    ref_state = checkpoint.load_state(checkpoint.find(tmp_path / "ref"))
+    el_state = checkpoint.load_state(checkpoint.find(run_dir))
+    assert el_state["data"] == ref_state["data"]  # the same tokens seen
+    a_w, b_w = weights(tmp_path / "ref"), weights(run_dir)
+    for k in a_w:  # 400 AdamW steps magnify float noise in parameters whose gradient is ~0
+        torch.testing.assert_close(b_w[k], a_w[k], rtol=0, atol=1e-2, msg=k)
