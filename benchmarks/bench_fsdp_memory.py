@@ -39,7 +39,7 @@ def rss_bytes() -> int:
 def worker(preset: str, out: str) -> None:
     import torch
 
-    from gptrain.config.sections import load_config
+    from gptrain.config.load import load_config
     from gptrain.distributed import runtime as dist
     from gptrain.training.build import build_training
 

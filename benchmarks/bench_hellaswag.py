@@ -39,7 +39,7 @@ SHARED_GPT2 = REPO.parent / "shared" / "data" / "gpt2"
 def model_for(name: str):
     """(model, tokenizer, seq_len, micro_batch_size) of the bench config or GPT-2 124M."""
     if name == "bench":
-        from gptrain.config.sections import load_config
+        from gptrain.config.load import load_config
 
         cfg = load_config(str(REPO / "configs" / "bench.toml"), [])
         tok = load_tokenizer(cfg.data.tokenizer)

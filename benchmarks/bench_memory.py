@@ -32,7 +32,7 @@ def measure(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from gptrain.config.sections import load_config
+    from gptrain.config.load import load_config
     from gptrain.distributed.runtime import DistInfo
     from gptrain.errors import UserError
     from gptrain.training.build import build_training

@@ -24,7 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gptrain.config.sections import load_config  # noqa: E402
+from gptrain.config.load import load_config  # noqa: E402
 from gptrain.logs.mfu import format_flops, measure_peak_flops  # noqa: E402
 from gptrain.model.gpt import GPTConfig  # noqa: E402
 

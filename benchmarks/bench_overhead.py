@@ -39,7 +39,8 @@ SHAPES = {
 
 
 def setup(shape: str, data_dir: Path, dtype: str, optim: str, config: str | None = None):
-    from gptrain.config.sections import accumulation_steps, load_config
+    from gptrain.config.load import load_config
+    from gptrain.config.sections import accumulation_steps
     from gptrain.data.loader import Dataset, TrainLoader
     from gptrain.distributed.runtime import DistInfo
     from gptrain.training.build import build_training

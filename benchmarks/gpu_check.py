@@ -46,7 +46,7 @@ def worker(out: str, overrides: list[str]) -> None:
 
     from gptrain.checkpoint import manager
     from gptrain.commands.train import train
-    from gptrain.config.sections import load_config
+    from gptrain.config.load import load_config
     from gptrain.distributed import runtime as dist
 
     save_s: list[float] = []

@@ -124,7 +124,8 @@ def _setup(overrides: list[str]):
     """The pieces train() builds, from gptrain's own functions, on this rank."""
     import torch
 
-    from gptrain.config.sections import accumulation_steps, load_config
+    from gptrain.config.load import load_config
+    from gptrain.config.sections import accumulation_steps
     from gptrain.data.loader import Dataset, TrainLoader
     from gptrain.distributed import parallelize
     from gptrain.distributed import runtime as dist
@@ -217,7 +218,7 @@ def worker_train_probe(overrides: list[str]) -> dict:
 
     import gptrain.commands.train as gtrain
     import gptrain.training.build as gbuild
-    from gptrain.config.sections import load_config
+    from gptrain.config.load import load_config
     from gptrain.distributed import runtime as dist
 
     probe: dict = {}

@@ -27,7 +27,8 @@ STEPS = 3
 
 
 def variant(data_dir: str, steps: int, *overrides: str, marker: str = "") -> dict:
-    from gptrain.config.sections import accumulation_steps, load_config
+    from gptrain.config.load import load_config
+    from gptrain.config.sections import accumulation_steps
     from gptrain.data.loader import Dataset, TrainLoader
     from gptrain.distributed import runtime as dist
     from gptrain.training.build import build_training
@@ -67,7 +68,7 @@ def init_matches_single_process(data_dir: str) -> dict:
     """Full state dict of the sharded (meta-built) model vs the single-process build_model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from gptrain.config.sections import load_config
+    from gptrain.config.load import load_config
     from gptrain.distributed import runtime as dist
     from gptrain.training.build import build_model, build_training
 
@@ -102,7 +103,7 @@ def async_save_keeps_the_save_step(data_dir: str, run_dir: str) -> dict:
     from gptrain.checkpoint import dcp as sharded
     from gptrain.checkpoint import manager as checkpoint
     from gptrain.checkpoint import retention
-    from gptrain.config.sections import load_config
+    from gptrain.config.load import load_config
     from gptrain.data.loader import Dataset, TrainLoader
     from gptrain.distributed import runtime as dist
     from gptrain.training.build import build_training

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gptrain.__main__ import main as cli
-from gptrain.config.sections import load_config, to_toml
+from gptrain.config.load import load_config, to_toml
 from gptrain.distributed.runtime import DistInfo
 from gptrain.errors import UserError
 from gptrain.model.gpt import GPT, GPTConfig

@@ -264,7 +264,7 @@ def test_timings_on_a_crowded_cpu_are_used_but_not_cached(tmp_path, monkeypatch)
 def test_a_resumed_run_keeps_its_checkpoints_choices_untimed(monkeypatch, tmp_path):
     """for_run with the decisions a checkpoint recorded: every key still auto takes them (how:
     "checkpoint") and nothing is timed, whatever the cache holds; an explicit value still wins."""
-    from gptrain.config.sections import load_config
+    from gptrain.config.load import load_config
     from gptrain.distributed.runtime import DistInfo
     from gptrain.training import timing
     from gptrain.training.build import build_model

@@ -7,7 +7,19 @@ import pytest
 
 from gptrain.__main__ import main as cli
 from gptrain.config.cli import help_text
-from gptrain.config.sections import Config, accumulation_steps, load_config, to_toml
+from gptrain.config.load import Config, load_config, to_toml
+from gptrain.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    DistConfig,
+    EvalConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    accumulation_steps,
+)
 from gptrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +89,47 @@ def test_errors_name_the_key(tmp_path, text, overrides, needle):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "section, bad, needle",
+    [
+        (ModelConfig, {"dropout": 1.0}, "model.dropout"),
+        (DataConfig, {"stride": -1}, "data.stride"),
+        (TrainConfig, {"max_steps": 0}, "train.max_steps"),
+        (TrainConfig, {"spike_window": 1}, "train.spike_window"),
+        (OptimConfig, {"beta2": 1.0}, "optim.beta2"),
+        (OptimConfig, {"warmup_steps": -1}, "optim.warmup_steps"),
+        (EvalConfig, {"every": -1}, "eval.every"),
+        (CheckpointConfig, {"keep_last": 0}, "checkpoint.keep_last"),
+        (LogConfig, {"every": 0}, "log.every"),
+        (DistConfig, {"nnodes": "2:1"}, "dist.nnodes"),
+        (DistConfig, {"nnodes": 2}, "dist.rdzv_endpoint"),
+        (RunConfig, {"max_failed_attempts": -1}, "run.max_failed_attempts"),
+    ],
+)
+def test_each_section_checks_its_own_values(section, bad, needle):
+    """Validation sits beside each section: its check() refuses its own bad values without the
+    rest of the config, and the defaults pass; Config.check() (load_config) runs it."""
+    section().check()
+    with pytest.raises(UserError, match=needle.replace(".", r"\.")) as e:
+        section(**bad).check()
+    assert "\n" not in str(e.value)
+    (key, value), name = next(iter(bad.items())), needle.partition(".")[0]
+    with pytest.raises(UserError, match=needle.replace(".", r"\.")):
+        load_config(None, [f"{name}.{key}={value}"])
+
+
+def test_cross_section_checks_belong_to_config():
+    """A value that is wrong only together with another section's passes its own section's check
+    and is refused by Config.check() with both keys named."""
+    OptimConfig(warmup_steps=500).check()
+    TrainConfig(max_steps=100).check()
+    cfg = Config(optim=OptimConfig(warmup_steps=500), train=TrainConfig(max_steps=100))
+    with pytest.raises(UserError, match=r"optim\.warmup_steps.*train\.max_steps"):
+        cfg.check()
+    with pytest.raises(UserError, match=r"optim\.name = 'muon' with dist\.mode = 'fsdp'"):
+        Config(optim=OptimConfig(name="muon"), dist=DistConfig(mode="fsdp")).check()
+
+
 def test_missing_and_broken_files(tmp_path):
     with pytest.raises(UserError, match="not found"):
         load_config(str(tmp_path / "nope.toml"))
@@ -108,6 +161,8 @@ def test_presets_load_and_help_documents_every_key():
     for preset in sorted((REPO / "configs").glob("*.toml")):
         load_config(str(preset))
     text = help_text()
+    assert "--dist.nnodes (int or MIN:MAX, default 1)" in text
+    assert "--dist.hang_timeout_s (int or auto, default 'auto')" in text
     for section in ("model", "data", "train", "eval", "checkpoint", "log", "dist", "run"):
         for key in tomllib.loads(to_toml(Config()))[section]:
             assert f"--{section}.{key} " in text

@@ -20,7 +20,7 @@ from test_train import comparable
 from gptrain.checkpoint import dcp as sharded
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.commands.train import train
-from gptrain.config.sections import load_config
+from gptrain.config.load import load_config
 from gptrain.distributed.runtime import DistInfo, cpu_cores
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from test_logs import tensorboard_hparams, tensorboard_scalars
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.commands.train import train
-from gptrain.config.sections import load_config
+from gptrain.config.load import load_config
 from gptrain.distributed.runtime import DistInfo
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,8 @@ import dist_helpers as h
 import pytest
 import torch
 
-from gptrain.config.sections import DistConfig, load_config
+from gptrain.config.load import load_config
+from gptrain.config.sections import DistConfig
 from gptrain.distributed import failures, parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.model.gpt import GPT, GPTConfig
@@ -302,6 +303,10 @@ def test_nccl_errors_surface_as_exceptions_and_user_settings_win():
     failures.nccl_error_handling(env)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert dist.attempt_prefix({"TORCHELASTIC_RESTART_COUNT": "2"}) != dist.attempt_prefix({})
+    elastic = {dist.FRESH_STORE: "1"}  # a new store each round: agents' restart counts differ
+    assert dist.attempt_prefix(
+        {**elastic, "TORCHELASTIC_RESTART_COUNT": "2"}
+    ) == dist.attempt_prefix(elastic)
 
 
 @pytest.mark.slow

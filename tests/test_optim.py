@@ -277,7 +277,7 @@ def test_set_lr_adamw_groups():
 def test_muon_refused_under_fsdp_and_built_without_torch_optim_muon(monkeypatch):
     """FSDP2 is refused (each rank would orthogonalise its shard); a torch without
     torch.optim.Muon (< 2.9) trains Muon anyway: the update is gptrain's own (training/muon.py)."""
-    from gptrain.config.sections import load_config
+    from gptrain.config.load import load_config
 
     with pytest.raises(UserError, match="optim.name = 'muon' with dist.mode = 'fsdp'"):
         load_config(None, ["optim.name=muon", "dist.mode=fsdp"])

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.commands.train import train
-from gptrain.config.sections import load_config
+from gptrain.config.load import load_config
 from gptrain.distributed.runtime import DistInfo
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

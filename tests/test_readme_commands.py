@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gptrain.config.sections import load_config
+from gptrain.config.load import load_config
 from gptrain.training import batch
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.commands.train import train
-from gptrain.config.sections import load_config
+from gptrain.config.load import load_config
 from gptrain.distributed.runtime import DistInfo
 from gptrain.training.build import build_model
 

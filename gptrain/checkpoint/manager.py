@@ -80,7 +80,7 @@ class Pending:
 
 def check_async(requested: bool, cfg: DistConfig, info) -> None:
     """checkpoint.async = true where this run writes full checkpoints (one process under
-    dist.mode = fsdp: nothing is sharded; validate.py refuses ddp) is one line, before anything
+    dist.mode = fsdp: nothing is sharded; CheckpointConfig.check refuses ddp) is one line, before anything
     is written."""
     if requested and not shards(cfg, info):
         raise UserError(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gptrain.config.sections import load_config
+from gptrain.config.load import load_config
 from gptrain.distributed import runtime as dist
 from gptrain.errors import ArgParser
 from gptrain.logs.mfu import checked_mfu, format_flops, measure_peak_flops, synchronize

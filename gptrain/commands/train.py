@@ -25,7 +25,7 @@ import time
 
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.cli import parse_cli
-from gptrain.config.sections import Config, load_config
+from gptrain.config.load import Config, load_config
 from gptrain.distributed import failures, faults, launch
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.watchdog import Watchdog, flight_recorder_env
@@ -216,9 +216,6 @@ def main(argv: list[str]) -> int:
             check_node_counts(cfg, nproc, low, high)  # fail before spawning anything
             return launch.launch(nproc, argv, cfg.dist)
     info = dist.DistInfo.from_env(cfg.train.device)
-    if os.environ.get(launch.FRESH_STORE) == "1":  # an elastic job: a new store every round, and
-        # agents that joined at different restart counts must share one namespace in it
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"
     if info.device_type == "cuda" and cfg.dist.hang_timeout_s != 0:  # before the NCCL group
         flight_recorder_env(cfg.run.dir)  # the watchdog can then dump the NCCL flight recorder
     dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from gptrain.config.sections import SECTIONS, field_types, type_name
+from gptrain.config.load import SECTIONS, field_types, type_name
 from gptrain.errors import UserError
 
 
@@ -16,7 +16,9 @@ def help_text() -> str:
     for section in SECTIONS:
         sec = SECTIONS[section]()
         for (key, typ), f in zip(field_types(type(sec)).items(), fields(sec), strict=True):
-            out.append(f"  --{section}.{key} ({type_name(typ)}, default {getattr(sec, f.name)!r})")
+            out.append(
+                f"  --{section}.{key} ({f.metadata.get('type') or type_name(typ)}, default {getattr(sec, f.name)!r})"
+            )
             out.append(f"      {f.metadata['help']}")
     return "\n".join(out)
 

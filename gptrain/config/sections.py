@@ -1,29 +1,40 @@
-"""Configuration: one dataclass per section, TOML presets, `--section.key=value` overrides.
+"""Configuration: one frozen dataclass per section, each field documented once and checked beside it.
 
-Precedence: command line > `--config FILE` > dataclass defaults. Every field is documented once, in
-its `help` metadata; that text is what `gptrain train --help` prints (gptrain/config/cli.py, which also
-splits the command line). Unknown sections or keys and values of the wrong type raise `UserError`
-naming the key, the value and what is allowed (here); values that are out of range or contradict
-each other, likewise (gptrain/config/validate.py). Each component receives only its own section
+Every field's `help` metadata is what `gptrain train --help` prints (gptrain/config/cli.py); its
+`choices`, when given, are the values allowed. Each section's `check()` refuses values that are
+wrong on their own (one UserError naming the key, the value and the fix); `Config.check()` runs
+them all and then the checks that involve two sections. Loading (defaults < `--config FILE` <
+`--section.key=value`, with type checks) is gptrain/config/load.py; world-size checks come later
+(training/batch.py, distributed/launch.py). Each component receives only its own section
 (`cfg.train`, `cfg.dist`, ...).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import keyword
-import tomllib
-import typing
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
-from gptrain.config.validate import validate
 from gptrain.errors import UserError
 
 
-def opt(default, help: str, choices: tuple | None = None):
-    """A config field: its default, its one-line documentation and, optionally, allowed values."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def opt(default, help: str, choices: tuple | None = None, type_text: str = ""):
+    """A config field: its default, its one-line documentation and, optionally, allowed values and
+    how `--help` names its type (when the annotation alone would mislead)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "type": type_text})
+
+
+def check(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
+
+
+def check_choices(section: str, sec) -> None:
+    """Every field with `choices` holds one of them."""
+    for f in fields(sec):
+        choices, value = f.metadata.get("choices"), getattr(sec, f.name)
+        check(
+            choices is None or value in choices,
+            f"{section}.{f.name} = {value!r}; allowed: {', '.join(choices or ())}",
+        )
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,20 @@ class ModelConfig:
         "start from the weights of a Hugging Face GPT-2 folder (config.json + model.safetensors, e.g. from gptrain export or save_pretrained) instead of a random init; its config.json sets the architecture",
     )
 
+    def check(self) -> None:
+        check(0 <= self.dropout < 1, f"model.dropout = {self.dropout} must be in [0, 1)")
+        check(
+            not (self.init_from and self.preset),
+            f"model.init_from = {self.init_from!r} and model.preset = {self.preset!r}: the weights' config.json sets the architecture; leave model.preset empty",
+        )
+        if not self.preset:
+            for key in ("n_layer", "n_head", "n_embd"):
+                check(getattr(self, key) >= 1, f"model.{key} = {getattr(self, key)} must be >= 1")
+            check(
+                self.n_embd % self.n_head == 0,
+                f"model.n_embd = {self.n_embd} is not divisible by model.n_head = {self.n_head}",
+            )
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -58,6 +83,9 @@ class DataConfig:
         "byte", "tokenizer used to prepare a built-in corpus: byte, gpt2 or bpe:PATH"
     )
     stride: int = opt(0, "tokens between training window starts; 0 means seq_len (no overlap)")
+
+    def check(self) -> None:
+        check(self.stride >= 0, f"data.stride = {self.stride} must be >= 0 (0 means seq_len)")
 
 
 @dataclass(frozen=True)
@@ -114,6 +142,18 @@ class TrainConfig:
         "train.spike: the steps (>= 2) whose mean and standard deviation a step is compared with",
     )
 
+    def check(self) -> None:
+        for key in ("micro_batch_cap", "seq_len", "total_batch_size", "max_steps"):
+            check(getattr(self, key) >= 1, f"train.{key} = {getattr(self, key)} must be >= 1")
+        mb = self.micro_batch_size
+        check(mb == "auto" or mb >= 1, f"train.micro_batch_size = {mb} must be >= 1 or auto")
+        check(self.max_skips >= 1, f"train.max_skips = {self.max_skips} must be >= 1")
+        check(
+            self.spike_window >= 2,
+            f"train.spike_window = {self.spike_window} must be >= 2 (a standard deviation needs 2 steps), e.g. 128",
+        )
+        check(self.spike_z > 0, f"train.spike_z = {self.spike_z} must be > 0, e.g. 6")
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -151,6 +191,29 @@ class OptimConfig:
         ("auto", "bfloat16", "float32"),
     )
 
+    def check(self) -> None:
+        check(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
+        check(
+            0 <= self.min_lr <= self.lr,
+            f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]",
+        )
+        check(self.warmup_steps >= 0, f"optim.warmup_steps = {self.warmup_steps} must be >= 0")
+        check(
+            0 < self.decay_fraction <= 1,
+            f"optim.decay_fraction = {self.decay_fraction} must be in (0, 1], e.g. 0.2 (the last 20% of the steps)",
+        )
+        check(self.weight_decay >= 0, f"optim.weight_decay = {self.weight_decay} must be >= 0")
+        for key in ("beta1", "beta2", "muon_momentum"):
+            value = getattr(self, key)
+            check(0 <= value < 1, f"optim.{key} = {value} must be in [0, 1)")
+        check(self.eps > 0, f"optim.eps = {self.eps} must be > 0")
+        check(self.muon_lr > 0, f"optim.muon_lr = {self.muon_lr} must be > 0")
+        check(self.muon_ns_steps >= 1, f"optim.muon_ns_steps = {self.muon_ns_steps} must be >= 1")
+        check(
+            self.grad_clip >= 0,
+            f"optim.grad_clip = {self.grad_clip} must be >= 0 (0 disables clipping)",
+        )
+
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -169,6 +232,10 @@ class EvalConfig:
         0, "score HellaSwag every N steps (and at the end); 0 only at the end"
     )
     hellaswag_limit: int = opt(0, "score only the first N HellaSwag examples; 0 = all 10,042")
+
+    def check(self) -> None:
+        for key in ("every", "sample_every", "hellaswag_every", "hellaswag_limit"):
+            check(getattr(self, key) >= 0, f"eval.{key} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -195,6 +262,34 @@ class CheckpointConfig:
         "FSDP2 runs (dist.mode = fsdp, 2+ processes) only: write the sharded checkpoint in the background (DCP async_save of a copy staged in host memory) while training goes on; it is published (renamed into place, named in `latest`) at the next save, before a rollback and at the end or a preemption stop. Refused for runs that write full checkpoints (1 process, DDP)",
     )
 
+    def check(self) -> None:
+        check(self.every >= 0, "checkpoint.every must be >= 0")
+        check(
+            self.every_minutes >= 0,
+            f"checkpoint.every_minutes = {self.every_minutes} must be >= 0 (0: off)",
+        )
+        check(
+            self.keep_last >= 1,
+            f"checkpoint.keep_last = {self.keep_last} must be >= 1 (the newest is always kept)",
+        )
+        check(
+            self.keep_every >= 0,
+            f"checkpoint.keep_every = {self.keep_every} must be >= 0 (0 keeps no milestones)",
+        )
+        r = self.resume
+        check(
+            r in ("auto", "latest", "none") or r.isdigit(),
+            f"checkpoint.resume = {r!r}; allowed: auto, latest, none or a step number",
+        )
+        if self.async_:
+            import torch
+            import torch.distributed.checkpoint as dcp
+
+            check(
+                hasattr(dcp, "async_save"),
+                f"checkpoint.async = true needs torch.distributed.checkpoint.async_save (torch >= 2.3); this is torch {torch.__version__}: upgrade torch or use checkpoint.async=false",
+            )
+
 
 @dataclass(frozen=True)
 class LogConfig:
@@ -204,6 +299,9 @@ class LogConfig:
         False, "also write TensorBoard events to run.dir/tb (needs tensorboard)"
     )
     wandb: str = opt("", "Weights & Biases project name; empty disables (needs wandb)")
+
+    def check(self) -> None:
+        check(self.every >= 1, f"log.every = {self.every} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -220,6 +318,7 @@ class DistConfig:
     nnodes: int | str = opt(
         1,
         "machines in the job when gptrain launches the workers itself (run the same command on each): N, or MIN:MAX for an elastic job (torch's elastic agent: when a node is lost the others re-form and resume from the last checkpoint with the same global batch; a node that joins makes the others save and re-form); ignored under torchrun",
+        type_text="int or MIN:MAX",
     )
     rdzv_endpoint: str = opt(
         "",
@@ -244,6 +343,30 @@ class DistConfig:
         False, "DDP: the graph is the same every step (enables extra optimisations)"
     )
 
+    def check(self) -> None:
+        check(self.timeout_s >= 1, f"dist.timeout_s = {self.timeout_s} must be >= 1")
+        h = self.hang_timeout_s
+        check(
+            h == "auto" or (isinstance(h, int) and h >= 0),
+            f"dist.hang_timeout_s = {h!r}; allowed: auto, a whole number of seconds, or 0 (off)",
+        )
+        nn = self.nnodes
+        low, colon, high = str(nn).partition(":")
+        check(
+            low.isdigit() and (high.isdigit() or not colon) and 1 <= int(low) <= int(high or low),
+            f"dist.nnodes = {nn!r}; allowed: a whole number >= 1, or MIN:MAX with 1 <= MIN <= MAX for an elastic job, e.g. 1:4",
+        )
+        ep = self.rdzv_endpoint
+        check(
+            str(nn) in ("1", "1:1") or ep.rpartition(":")[2].isdigit(),
+            f"dist.nnodes = {nn} needs dist.rdzv_endpoint=HOST:PORT (a port on one of the nodes), got {ep!r}",
+        )
+        n = self.nproc_per_node
+        check(
+            n == "auto" or (n.isdigit() and int(n) >= 1),
+            f"dist.nproc_per_node = {n!r}; allowed: a whole number >= 1 or auto",
+        )
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -255,130 +378,11 @@ class RunConfig:
         "crash-loop stop: when the last N starts of this run.dir each ended without a new checkpoint (preemptions, Ctrl-C and bad input never count), the next start exits at once with code 4 ('do not requeue') and one line; 0: never, and the count starts again after such a start. The history: run.dir/attempts.jsonl",
     )
 
-
-@dataclass(frozen=True)
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-
-
-SECTIONS = {f.name: f.default_factory for f in fields(Config)}
-# keys that older configs had under [train]
-MOVED_TO_OPTIM = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
-
-
-def key_name(field_name: str) -> str:
-    """The config key of a field: its name, less the `_` that a Python keyword needs (async_)."""
-    bare = field_name.removesuffix("_")
-    return bare if keyword.iskeyword(bare) else field_name
-
-
-def field_types(section_cls) -> dict[str, type]:
-    """{config key: type} of a section's fields."""
-    hints = typing.get_type_hints(section_cls)
-    return {key_name(f.name): hints[f.name] for f in fields(section_cls)}
-
-
-INT_OR_AUTO = int | str  # the type of a key that takes a whole number or "auto"
-
-
-def type_name(typ) -> str:
-    return "int or auto" if typ == INT_OR_AUTO else typ.__name__
-
-
-def _coerce(key: str, value, typ: type, from_cli: bool):
-    """Check (file) or parse (CLI string) one value; UserError naming the key when it does not fit."""
-    if typ == INT_OR_AUTO:
-        if value == "auto" or (key == "dist.nnodes" and isinstance(value, str) and not value.strip().isdigit()):  # fmt: skip
-            return value  # dist.nnodes = MIN:MAX (elastic): checked in validate.py
-        if from_cli:
-            try:
-                return _coerce(key, value, int, from_cli)
-            except UserError:
-                raise UserError(
-                    f"--{key}={value!r} is not a whole number or auto, e.g. --{key}=16 or --{key}=auto"
-                ) from None
-        if type(value) is not int:
-            raise UserError(
-                f'{key} = {value!r} in the config file must be a whole number or "auto", e.g. {key.rpartition(".")[2]} = 16 or "auto"'
-            )
-        return value
-    if from_cli:
-        text = value
-        try:
-            if typ is bool:
-                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                return text.lower() in ("true", "1", "yes")
-            if typ is int:
-                number = float(text)  # accepts 524288 and 2**19 written as 5.24288e5
-                if not number.is_integer():
-                    raise ValueError
-                return int(number)
-            if typ is float:
-                return float(text)
-            return text
-        except ValueError:
-            raise UserError(f"--{key}={text!r} is not a valid {typ.__name__}") from None
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if type(value) is not typ:
-        raise UserError(
-            f"{key} = {value!r} in the config file is a {type(value).__name__}; expected {typ.__name__}"
+    def check(self) -> None:
+        check(
+            self.max_failed_attempts >= 0,
+            f"run.max_failed_attempts = {self.max_failed_attempts} must be >= 0 (0: no crash-loop stop)",
         )
-    return value
-
-
-def _apply(values: dict[str, dict], key: str, raw, from_cli: bool) -> None:
-    section, _, name = key.partition(".")
-    if section not in SECTIONS or not name:
-        raise UserError(f"unknown config section in {key!r}; sections are: {', '.join(SECTIONS)}")
-    types = field_types(type(SECTIONS[section]()))
-    if section == "train" and name in MOVED_TO_OPTIM:
-        raise UserError(f"{key} moved to the [optim] section: use optim.{name}")
-    if name not in types:
-        raise UserError(f"unknown config key {key!r}; keys of [{section}]: {', '.join(types)}")
-    field_name = name + "_" if keyword.iskeyword(name) else name
-    values[section][field_name] = _coerce(key, raw, types[name], from_cli)
-
-
-def load_config(config_file: str | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Defaults, then the TOML file, then `section.key=value` overrides; validated."""
-    values: dict[str, dict] = {s: {} for s in SECTIONS}
-    if config_file:
-        path = Path(config_file)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(
-                f"config file {config_file} not found; presets are in configs/ (e.g. configs/debug.toml)"
-            ) from None
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise UserError(f"cannot read config file {config_file}: {e}") from None
-        for section, table in data.items():
-            if not isinstance(table, dict):
-                raise UserError(
-                    f"{config_file}: top-level key {section!r} must be a [section]; sections are: {', '.join(SECTIONS)}"
-                )
-            for name, raw in table.items():
-                _apply(values, f"{section}.{name}", raw, from_cli=False)
-    for item in overrides:
-        key, eq, raw = item.partition("=")
-        if not eq:
-            raise UserError(
-                f"override {item!r} needs the form section.key=value, e.g. optim.lr=1e-3"
-            )
-        _apply(values, key.strip(), raw.strip(), from_cli=True)
-    cfg = Config(**{s: type(SECTIONS[s]())(**values[s]) for s in SECTIONS})
-    validate(cfg)  # gptrain/config/validate.py: values wrong on their own or together
-    return cfg
 
 
 def accumulation_steps(
@@ -399,22 +403,3 @@ def accumulation_steps(
         f"train.total_batch_size = {total_batch_size} is not a multiple of train.micro_batch_size ({micro_batch_size}) "
         f"x train.seq_len ({seq_len}) x world size ({world_size}) = {per_micro_step}; {fix}"
     )
-
-
-def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML (saved as run.dir/config.toml; loadable with --config)."""
-
-    def fmt(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        return repr(v)
-
-    lines = []
-    for section in SECTIONS:
-        lines.append(f"[{section}]")
-        items = dataclasses.asdict(getattr(cfg, section)).items()
-        lines += [f"{key_name(k)} = {fmt(v)}" for k, v in items]
-        lines.append("")
-    return "\n".join(lines)

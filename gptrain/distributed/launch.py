@@ -21,7 +21,7 @@ import time
 import torch
 
 from gptrain.config.sections import DistConfig
-from gptrain.distributed.runtime import cpu_cores
+from gptrain.distributed.runtime import FRESH_STORE, cpu_cores
 from gptrain.errors import UserError, first_line
 
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # torchrun's defaults + USR1
@@ -30,11 +30,8 @@ ELASTIC_RESTARTS = 100  # an elastic job's worker-group restarts (a lost node co
 # restart ledger's crash-loop stop, exit 4, ends a real crash loop long before)
 
 
-FRESH_STORE = "GPTRAIN_FRESH_STORE_PER_ROUND"  # set for the workers of an elastic job
-
-
 def node_range(spec: int | str) -> tuple[int, int]:
-    """dist.nnodes (N or MIN:MAX, checked by validate.py) -> (MIN, MAX)."""
+    """dist.nnodes (N or MIN:MAX, checked by DistConfig.check) -> (MIN, MAX)."""
     low, _, high = str(spec).partition(":")
     return int(low), int(high or low)
 

@@ -132,12 +132,18 @@ def init(info: DistInfo, backend: str = "auto", timeout_s: int = 300) -> None:
     failures.keep_store(dist.PrefixStore("peers/", store), host_is_rank0=not agent_store)
 
 
+FRESH_STORE = "GPTRAIN_FRESH_STORE_PER_ROUND"  # set by launch.py for the workers of an elastic job
+
+
 def attempt_prefix(env=os.environ) -> str:
     """The store prefix of this launch attempt. torchrun's agent keeps one store across restarts
     (--max-restarts; the static rendezvous reuses it), so keys of a failed attempt (rendezvous,
     NCCL unique ids, our alive/left marks) would still be there: each attempt gets its own
-    namespace, as torch's env:// rendezvous once did with TORCHELASTIC_RESTART_COUNT."""
-    return f"gptrain/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    namespace, as torch's env:// rendezvous once did with TORCHELASTIC_RESTART_COUNT. An elastic
+    job (FRESH_STORE) gets a new store every round, and its agents, which joined at different
+    times, count restarts differently: there every worker uses one namespace."""
+    attempt = "0" if env.get(FRESH_STORE) == "1" else env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"gptrain/attempt_{attempt}/"
 
 
 def teardown(wait_for_peers: bool = True, timeout_s: float = 60.0) -> None:

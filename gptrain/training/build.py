@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from gptrain.config.sections import Config
+from gptrain.config.load import Config
 from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.host import keep_freed_memory

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from gptrain.checkpoint import manager as checkpoint
-from gptrain.config.sections import Config, to_toml
+from gptrain.config.load import Config, to_toml
 from gptrain.data.loader import Dataset, TrainLoader
 from gptrain.data.prepare import resolve_data_dir
 from gptrain.distributed import parallelize

@@ -1,0 +1,212 @@
+"""The whole Config (one field per section of sections.py, and the checks that involve two
+sections), how it is loaded and how it is written back.
+
+Loading: defaults, then `--config FILE` (TOML), then `section.key=value` overrides. Each value is
+type-checked as it is read (an unknown section or key, or a value of the wrong type: a UserError
+naming the key, the value and what is allowed); then `Config.check()` runs each section's own
+checks and the cross-section ones. The resolved config is saved as run.dir/config.toml (to_toml).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from gptrain.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    DistConfig,
+    EvalConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    check,
+    check_choices,
+)
+from gptrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def check(self) -> None:
+        """Each section's own checks, then those that involve two sections (world-size checks
+        come later: training/batch.py, distributed/launch.py)."""
+        for f in fields(self):
+            section = getattr(self, f.name)
+            check_choices(f.name, section)
+            section.check()
+        t, o, d = self.train, self.optim, self.dist
+        check(
+            not (d.mode == "fsdp" and t.dtype == "float16"),
+            "dist.mode = 'fsdp' with train.dtype = 'float16' is not supported (FSDP2 has no sharded float16 gradient scaler); use train.dtype=bfloat16 (GPUs with compute capability >= 8.0), float32, or dist.mode=ddp",
+        )
+        check(
+            o.warmup_steps <= t.max_steps,
+            f"optim.warmup_steps = {o.warmup_steps} must be in [0, train.max_steps = {t.max_steps}]",
+        )
+        check(
+            not (o.name == "muon" and d.mode == "fsdp"),  # gptrain's own Muon (training/muon.py)
+            "optim.name = 'muon' with dist.mode = 'fsdp' is not supported (Muon would orthogonalise each rank's shard, not the whole matrix); use dist.mode = 'ddp' or optim.name = 'adamw'",
+        )
+        b = self.model.block_size
+        check(
+            b == 0 or b >= t.seq_len,
+            f"model.block_size = {b} is shorter than train.seq_len = {t.seq_len}; use 0 to follow seq_len",
+        )
+        check(
+            self.eval.tokens >= t.seq_len,
+            f"eval.tokens = {self.eval.tokens} is less than one window of train.seq_len = {t.seq_len}",
+        )
+        check(
+            not self.checkpoint.async_ or d.mode == "fsdp",
+            f"checkpoint.async = true with dist.mode = {d.mode!r}: background saving applies only to the sharded (DCP) checkpoints of FSDP2 runs, and a {d.mode} run writes full checkpoints; use checkpoint.async=false (or dist.mode=fsdp)",
+        )
+
+
+SECTIONS = {f.name: f.default_factory for f in fields(Config)}
+# keys that older configs had under [train]
+MOVED_TO_OPTIM = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
+
+
+def key_name(field_name: str) -> str:
+    """The config key of a field: its name, less the `_` that a Python keyword needs (async_)."""
+    bare = field_name.removesuffix("_")
+    return bare if keyword.iskeyword(bare) else field_name
+
+
+def field_types(section_cls) -> dict[str, type]:
+    """{config key: type} of a section's fields."""
+    hints = typing.get_type_hints(section_cls)
+    return {key_name(f.name): hints[f.name] for f in fields(section_cls)}
+
+
+INT_OR_AUTO = int | str  # the type of a key that takes a whole number or "auto"
+
+
+def type_name(typ) -> str:
+    return "int or auto" if typ == INT_OR_AUTO else typ.__name__
+
+
+def _coerce(key: str, value, typ: type, from_cli: bool):
+    """Check (file) or parse (CLI string) one value; UserError naming the key when it does not fit."""
+    if typ == INT_OR_AUTO:
+        if value == "auto" or (key == "dist.nnodes" and isinstance(value, str) and not value.strip().isdigit()):  # fmt: skip
+            return (
+                value  # dist.nnodes = MIN:MAX (elastic): checked by DistConfig.check (sections.py)
+            )
+        if from_cli:
+            try:
+                return _coerce(key, value, int, from_cli)
+            except UserError:
+                raise UserError(
+                    f"--{key}={value!r} is not a whole number or auto, e.g. --{key}=16 or --{key}=auto"
+                ) from None
+        if type(value) is not int:
+            raise UserError(
+                f'{key} = {value!r} in the config file must be a whole number or "auto", e.g. {key.rpartition(".")[2]} = 16 or "auto"'
+            )
+        return value
+    if from_cli:
+        text = value
+        try:
+            if typ is bool:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return text.lower() in ("true", "1", "yes")
+            if typ is int:
+                number = float(text)  # accepts 524288 and 2**19 written as 5.24288e5
+                if not number.is_integer():
+                    raise ValueError
+                return int(number)
+            if typ is float:
+                return float(text)
+            return text
+        except ValueError:
+            raise UserError(f"--{key}={text!r} is not a valid {typ.__name__}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not typ:
+        raise UserError(
+            f"{key} = {value!r} in the config file is a {type(value).__name__}; expected {typ.__name__}"
+        )
+    return value
+
+
+def _apply(values: dict[str, dict], key: str, raw, from_cli: bool) -> None:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name:
+        raise UserError(f"unknown config section in {key!r}; sections are: {', '.join(SECTIONS)}")
+    types = field_types(type(SECTIONS[section]()))
+    if section == "train" and name in MOVED_TO_OPTIM:
+        raise UserError(f"{key} moved to the [optim] section: use optim.{name}")
+    if name not in types:
+        raise UserError(f"unknown config key {key!r}; keys of [{section}]: {', '.join(types)}")
+    field_name = name + "_" if keyword.iskeyword(name) else name
+    values[section][field_name] = _coerce(key, raw, types[name], from_cli)
+
+
+def load_config(config_file: str | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Defaults, then the TOML file, then `section.key=value` overrides; validated."""
+    values: dict[str, dict] = {s: {} for s in SECTIONS}
+    if config_file:
+        path = Path(config_file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(
+                f"config file {config_file} not found; presets are in configs/ (e.g. configs/debug.toml)"
+            ) from None
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise UserError(f"cannot read config file {config_file}: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise UserError(
+                    f"{config_file}: top-level key {section!r} must be a [section]; sections are: {', '.join(SECTIONS)}"
+                )
+            for name, raw in table.items():
+                _apply(values, f"{section}.{name}", raw, from_cli=False)
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise UserError(
+                f"override {item!r} needs the form section.key=value, e.g. optim.lr=1e-3"
+            )
+        _apply(values, key.strip(), raw.strip(), from_cli=True)
+    cfg = Config(**{s: type(SECTIONS[s]())(**values[s]) for s in SECTIONS})
+    cfg.check()  # sections.py: values wrong on their own (each section) or together (Config)
+    return cfg
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (saved as run.dir/config.toml; loadable with --config)."""
+
+    def fmt(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return repr(v)
+
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        items = dataclasses.asdict(getattr(cfg, section)).items()
+        lines += [f"{key_name(k)} = {fmt(v)}" for k, v in items]
+        lines.append("")
+    return "\n".join(lines)
