@@ -237,8 +237,14 @@ def test_scorecard_reaches_tensorboard_hparams_and_wandb_summary(tmp_path, offli
     assert {k: v for k, v in tb.items() if k.startswith("scorecard/")} == {
         f"scorecard/{k}": {0: pytest.approx(v)} for k, v in results.items()
     }
-    summary: dict = {}
-    wandb_history(tmp_path, summary)
+    wanted = [f"scorecard/{k}" for k in results] + [f"hparams/{k}" for k in hparams]
+    deadline = time.monotonic() + 60  # wandb's writer process may still be flushing (busy machine)
+    while True:
+        summary: dict = {}
+        wandb_history(tmp_path, summary)
+        if all(k in summary for k in wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     for k, v in results.items():
         assert summary[f"scorecard/{k}"] == pytest.approx(v)
     for k, v in hparams.items():
