@@ -283,3 +283,31 @@ def test_a_resumed_run_keeps_its_checkpoints_choices_untimed(monkeypatch, tmp_pa
     assert got.decisions() == saved and set(got.how.values()) == {"checkpoint"}
     got = for_run(cfg, DistInfo(), model, "float32", saved={**saved, "dtype": "bfloat16"})
     assert got.dtype == "float32" and got.how["dtype"] == "config"
+
+
+def test_the_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """cached_peak: the first call measures (measure_peak_flops), a second reads the cache and
+    measures nothing; a damaged cache is ignored with a warning and measured again; a peak
+    measured on a crowded CPU is used but not cached."""
+    from gptrain.training import timing
+
+    calls = []
+
+    def fake_peak(device, dtype):
+        calls.append(dtype)
+        return 1.5e11
+
+    monkeypatch.setattr(timing, "measure_peak_flops", fake_peak)
+    monkeypatch.setattr(timing.Clock, "crowding", lambda self: 0.0)
+    path = tmp_path / "speed_choices.json"
+    assert timing.cached_peak("cpu", torch.float32, path) == (1.5e11, False, [])
+    assert timing.cached_peak("cpu", torch.float32, path) == (1.5e11, True, [])
+    assert calls == [torch.float32]  # the second call measured nothing
+    assert timing.cached_peak("cpu", torch.bfloat16, path)[:2] == (1.5e11, False)  # per dtype
+    path.write_text("{not json")
+    peak, hit, warnings = timing.cached_peak("cpu", torch.float32, path)
+    assert (peak, hit) == (1.5e11, False) and "damaged speed-choice cache" in warnings[0]
+    crowded = tmp_path / "crowded.json"
+    monkeypatch.setattr(timing.Clock, "crowding", lambda self: 1.4)
+    assert timing.cached_peak("cpu", torch.float32, crowded)[:2] == (1.5e11, False)
+    assert not crowded.exists()

@@ -36,6 +36,7 @@ from gptrain.training.precision import (
     resolve_dtype,
 )
 from gptrain.training.timing import (
+    CROWDED,
     Clock,
     Timings,
     block_flops,
@@ -47,7 +48,6 @@ from gptrain.training.timing import (
 )
 
 MARGIN = 0.1  # a candidate within this of the fastest counts as as fast (timing noise)
-CROWDED = 0.5  # cores other processes may take from this one's threads while it times
 BF16_EMULATED_RATIO = 2.0  # bf16 matmul time / float32's above which bf16 counts as emulated
 BLOCK_FLOPS = 8e9  # CPU: the most FLOPs one timed block run may take (~60 ms in float32)
 MATMUL_MEMORY = 2**30  # bytes of probabilities matmul attention may keep for backward

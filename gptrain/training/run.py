@@ -47,13 +47,13 @@ from gptrain.logs.mfu import (
     checked_mfu,
     format_duration,
     format_flops,
-    measure_peak_flops,
     synchronize,
 )
 from gptrain.training import batch
 from gptrain.training.build import build_training
 from gptrain.training.choices import Choices
 from gptrain.training.guards import NonFinite, Spikes
+from gptrain.training.timing import cached_peak
 
 EVAL_KEYS = ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm")
 
@@ -83,6 +83,7 @@ class Run:
     meta: dict  # what every checkpoint's meta.json records besides the counters
     ckpt: Path | None  # the checkpoint resumed from
     peak: float = 1.0  # measured peak FLOP/s of this device (main process)
+    peak_cached: bool = False  # the peak came from the speed-choice cache
     choices: Choices | None = None  # the measured speed choices (training/choices.py)
     flops_per_token: float = 0.0
     step: int = 0
@@ -208,7 +209,8 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
     else:
         torch.manual_seed(t.seed + 1000 * info.rank)  # dropout streams differ by rank
     if info.is_main:
-        run.peak = measure_peak_flops(info.device, ptdtype)
+        run.peak, run.peak_cached, peak_warnings = cached_peak(info.device, ptdtype)
+        skipped_ckpts = skipped_ckpts + peak_warnings  # a damaged cache: said in train.log
     _start_logging(run, skipped_ckpts)
     return run
 
@@ -248,7 +250,7 @@ def _start_logging(run: Run, skipped_ckpts: list[str]) -> None:
     run.logger.text(
         f"{'resumed from ' + str(run.ckpt) if run.ckpt else 'starting'}: {run.model.num_params():,} parameters, world size {info.world_size}, "
         f"micro-batch {run.mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {run.accum}, {t.total_batch_size:,} tokens/step, dtype {str(run.ptdtype).removeprefix('torch.')}, "
-        f"device {info.device}, measured peak {format_flops(run.peak)}; {run.choices.line()}"
+        f"device {info.device}, measured peak {format_flops(run.peak)}{' (cached)' * run.peak_cached}; {run.choices.line()}"
     )
     # the speed-choice cache's, and damaged newer checkpoints that resume fell back from
     for warning in run.choices.warnings + skipped_ckpts:

@@ -9,7 +9,8 @@ MARGIN of the fastest: closer than that is timing noise, and a choice should not
 
 The timings are cached as JSON in cache_dir()/speed_choices.json, keyed by the machine (CPU model
 name, torch's CPU capability, ONEDNN_MAX_CPU_ISA and threads; or the GPU's name), the torch
-version and the shapes, so a second run times nothing (delete the file to measure again). Timings
+version and the shapes, so a second run times nothing (delete the file to measure again). The
+measured peak FLOP/s that MFU divides by (logs/mfu.py) is kept there too, per dtype (`cached_peak`). Timings
 taken while other processes took cores from this one's threads (CROWDED, from /proc/stat) are
 used but not cached, with a warning: a choice measured on a busy machine would outlive the load.
 A damaged file or entry is ignored with a warning and rewritten.
@@ -23,17 +24,19 @@ import math
 import os
 import platform
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from gptrain.cache import cache_dir
-from gptrain.logs.mfu import synchronize
+from gptrain.logs.mfu import measure_peak_flops, synchronize
 from gptrain.training.muon import orthogonalise
 from gptrain.training.precision import DTYPES, mixed_precision
 
 CANDIDATE_S, BUDGET_S, MAX_RUNS, STOP_FACTOR = 0.4, 2.5, 5, 2.0
 _DTYPES = ("float32", "bfloat16", "float16")
+CROWDED = 0.5  # cores other processes may take from this one's threads while it times
 # the workloads below take `s`, the run's choices.Shapes (micro_batch, seq_len, n_embd, n_head,
 # gelu, bias, muon matrix shapes, ns_steps)
 
@@ -45,10 +48,8 @@ NAMES = {  # every candidate name a cache entry of each kind may hold
     "bf16-probe": {"float32", "bfloat16"},
     "block": {f"{d}/{k}" for d in _DTYPES for k in ("sdpa", "matmul")},
     "muon": {"float32", "bfloat16"},
+    "peak": set(_DTYPES),  # not seconds: the measured peak FLOP/s of that dtype
 }
-
-
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class Clock:
@@ -144,6 +145,23 @@ class Timings:
             os.replace(tmp, self.path)
         except OSError as e:
             self.warnings.append(f"cannot write the speed-choice cache {self.path}: {e}")
+
+
+def cached_peak(device: str, dtype: torch.dtype, path: Path | None = None) -> tuple[float, bool, list]:  # fmt: skip
+    """measure_peak_flops through the speed-choice cache: (FLOP/s, from the cache, warnings). As
+    with the timings, a peak measured while other processes took cores from this one is used but
+    not cached (it would understate the peak, and MFU would overstate, for every later run)."""
+    warnings: list = []
+    name = str(dtype).removeprefix("torch.")
+    cuda = device.startswith("cuda")
+    clock = Clock()
+    where = f"{machine(device)}|torch {torch.__version__}"
+    cache = Timings(default_cache_path() if path is None else path, where, lambda _label, run, _rival: run(), warnings)  # fmt: skip
+    shape = [name, bool(cuda and torch.backends.cuda.matmul.allow_tf32)]  # TF32 sets float32's
+    peak = cache("peak", shape, {name: lambda: partial(measure_peak_flops, device, dtype)})[name]
+    if cache.dirty and not (not cuda and clock.crowding() > CROWDED):
+        cache.save()
+    return peak, all(cache.hits), warnings
 
 
 def default_cache_path() -> Path:
