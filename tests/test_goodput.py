@@ -100,3 +100,41 @@ def test_goodput_across_a_hung_attempt_and_its_rerun(byte_data, tmp_path):
     hung = attempts.read(run_dir)[0]["end"]
     assert hung["exit"] == "hung" and hung["step"] == 6 and hung["steps_trained"] == 6
     assert "goodput" in (run_dir / "train.log").read_text().splitlines()[-1]
+
+
+# Rank 1's clock moves 1 s per look; rank 0's stands still (it would never call a save due).
+RANK_CLOCKS = """
+import os, sys, time
+import gptrain.commands.train as train_command
+from gptrain.__main__ import main
+
+class Clock:
+    def __init__(self, step):
+        self.t, self.step = 0.0, step
+    def monotonic(self):
+        self.t += self.step
+        return self.t
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+train_command.time = Clock(1.0 if os.environ["RANK"] == "1" else 0.0)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_time_based_checkpoint_is_due_by_any_ranks_clock(byte_data, tmp_path):
+    """2 ranks (gloo): only rank 1's clock reaches checkpoint.every_minutes, yet rank 0 (which
+    writes the checkpoints) saves at the same steps as the one-process run with that clock (3, 6,
+    9, then 12 at the end): the decision is agreed in the per-step all-reduce."""
+    import dist_helpers as h
+
+    run_dir = tmp_path / "run"
+    args = ["-c", RANK_CLOCKS, "train", "--config", DEBUG, f"--data.dir={byte_data}",
+            f"--run.dir={run_dir}", "--train.max_steps=12", "--train.micro_batch_size=4",
+            "--train.total_batch_size=1024", "--train.dtype=float32", "--checkpoint.every=0",
+            "--checkpoint.keep_last=10", "--checkpoint.every_minutes=0.05",
+            *[f"--{x}" for x in QUICK]]  # fmt: skip
+    h.check_ok(h.wait_all(h.spawn(args), 240))
+    names = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert names == [f"step_{s:08d}" for s in (3, 6, 9, 12)]
