@@ -1,9 +1,11 @@
 """`gptrain prepare` at scale: a generated Parquet corpus of FineWeb-like documents, GPT-2 tokenizer.
 
     .venv/bin/python benchmarks/bench_prepare.py [--mb 250 500] [--workers 2] [--data /tmp/corpus]
+    .venv/bin/python benchmarks/bench_prepare.py --mb 250 1000 --median-chars 650   # >= 1M docs/GB
 
 For each corpus size (MB of UTF-8 text; documents are slices of tiny shakespeare, log-normal
-lengths with a median of ~2,400 characters, in Parquet files of 125 MB with row groups of 1,000
+lengths with a median of --median-chars characters (default 2,400; 650 makes ~1.05M documents
+per GB, the issue's >= 1M), in Parquet files of 125 MB with row groups of 1,000
 documents, as datatrove writes FineWeb's):
 - tokenize-only: tiktoken's encode_ordinary_batch on the same row groups with the same number of
   processes, nothing written (the reference rate);
@@ -36,7 +38,7 @@ SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 GPT2_DIR = REPO.parent / "shared" / "data" / "gpt2"  # used when GPTRAIN_GPT2_DIR is unset
 
 
-def make_corpus(folder: Path, mb: int) -> tuple[list[Path], int]:
+def make_corpus(folder: Path, mb: int, median: int = 2400) -> tuple[list[Path], int]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -52,7 +54,7 @@ def make_corpus(folder: Path, mb: int) -> tuple[list[Path], int]:
     while total < target:
         rows, size = [], 0
         while size < min(per_file, target - total):
-            n = int(min(rng.lognormal(np.log(2400), 0.9), 100_000))
+            n = int(min(rng.lognormal(np.log(median), 0.9), 100_000))
             a = int(rng.integers(0, len(text) - n))
             rows.append(text[a : a + n])
             size += n
@@ -153,6 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, nargs="+", default=[250, 500])
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--median-chars", type=int, default=2400, help="documents' median length")
     parser.add_argument("--data", default=None, help="where the generated corpora are kept")
     args = parser.parse_args()
     import pyarrow.parquet as pq
@@ -162,7 +165,8 @@ def main() -> None:
     data = Path(args.data or tempfile.gettempdir()) / "gptrain-bench-prepare"
     rows = []
     for mb in args.mb:
-        files, docs = make_corpus(data / f"corpus-{mb}mb", mb)
+        name = f"corpus-{mb}mb" + (f"-{args.median_chars}" if args.median_chars != 2400 else "")
+        files, docs = make_corpus(data / name, mb, args.median_chars)
         n_groups = sum(pq.ParquetFile(f).metadata.num_row_groups for f in files)
         ref_s, tokens = tokenize_only(files, args.workers)
         with tempfile.TemporaryDirectory(dir=data) as tmp:
