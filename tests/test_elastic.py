@@ -17,10 +17,13 @@ from pathlib import Path
 import dist_helpers as h
 import pytest
 import torch
-from test_train import DEBUG, run, weights
+from test_train import DEBUG, REPO, run, weights
 
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from chaos import workers as children  # noqa: E402  (processes whose parent is pid)
 
 
 @pytest.mark.parametrize(
@@ -43,19 +46,6 @@ def test_bad_node_ranges_are_one_line_exit_2(tmp_path, capsys, nodes, needle):
     if nodes == "1:3":
         assert "node counts that can: 1, 2" in err[0]
     assert not run_dir.exists()
-
-
-def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (an agent's workers: torch starts them in new sessions)."""
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(p.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
 
 
 def lose_node(agent: subprocess.Popen) -> None:

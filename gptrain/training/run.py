@@ -208,14 +208,14 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
             torch.manual_seed(t.seed + 1000 * info.rank + run.step)
     else:
         torch.manual_seed(t.seed + 1000 * info.rank)  # dropout streams differ by rank
+    peak_warnings: list[str] = []
     if info.is_main:
         run.peak, run.peak_cached, peak_warnings = cached_peak(info.device, ptdtype)
-        skipped_ckpts = skipped_ckpts + peak_warnings  # a damaged cache: said in train.log
-    _start_logging(run, skipped_ckpts)
+    _start_logging(run, skipped_ckpts + peak_warnings)
     return run
 
 
-def _start_logging(run: Run, skipped_ckpts: list[str]) -> None:
+def _start_logging(run: Run, warnings: list[str]) -> None:
     """The logger (main process only), config.toml, the progress bar and the first line."""
     cfg, info, t = run.cfg, run.info, run.cfg.train
     run.logger = (
@@ -252,8 +252,8 @@ def _start_logging(run: Run, skipped_ckpts: list[str]) -> None:
         f"micro-batch {run.mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {run.accum}, {t.total_batch_size:,} tokens/step, dtype {str(run.ptdtype).removeprefix('torch.')}, "
         f"device {info.device}, measured peak {format_flops(run.peak)}{' (cached)' * run.peak_cached}; {run.choices.line()}"
     )
-    # the speed-choice cache's, and damaged newer checkpoints that resume fell back from
-    for warning in run.choices.warnings + skipped_ckpts:
+    # the speed-choice cache's (choices and peak), and damaged newer checkpoints resume skipped
+    for warning in run.choices.warnings + warnings:
         run.logger.text(f"warning: {warning}")
 
 

@@ -10,8 +10,8 @@ MARGIN of the fastest: closer than that is timing noise, and a choice should not
 The timings are cached as JSON in cache_dir()/speed_choices.json, keyed by the machine (CPU model
 name, torch's CPU capability, ONEDNN_MAX_CPU_ISA and threads; or the GPU's name), the torch
 version and the shapes, so a second run times nothing (delete the file to measure again). The
-measured peak FLOP/s that MFU divides by (logs/mfu.py) is kept there too, per dtype (`cached_peak`). Timings
-taken while other processes took cores from this one's threads (CROWDED, from /proc/stat) are
+measured peak FLOP/s that MFU divides by (logs/mfu.py) is kept there too, per dtype
+(`cached_peak`). Timings taken while other processes took cores from this one's threads (CROWDED, from /proc/stat) are
 used but not cached, with a warning: a choice measured on a busy machine would outlive the load.
 A damaged file or entry is ignored with a warning and rewritten.
 The decision is made on the main process and sent to every rank.
@@ -159,7 +159,7 @@ def cached_peak(device: str, dtype: torch.dtype, path: Path | None = None) -> tu
     cache = Timings(default_cache_path() if path is None else path, where, lambda _label, run, _rival: run(), warnings)  # fmt: skip
     shape = [name, bool(cuda and torch.backends.cuda.matmul.allow_tf32)]  # TF32 sets float32's
     peak = cache("peak", shape, {name: lambda: partial(measure_peak_flops, device, dtype)})[name]
-    if cache.dirty and not (not cuda and clock.crowding() > CROWDED):
+    if cache.dirty and (cuda or clock.crowding() <= CROWDED):
         cache.save()
     return peak, all(cache.hits), warnings
 
