@@ -1,6 +1,11 @@
 """Loader benchmark on a synthetic 2-billion-token shard set (~4 GB of uint16, deleted afterwards).
 
     .venv/bin/python benchmarks/bench_loader.py [--tokens 2e9] [--dir /tmp] [--seconds 10]
+    .venv/bin/python benchmarks/bench_loader.py --composed   # what a text prepare makes
+
+Shard files by default; --composed: the same tokens as parts of FineWeb-like documents
+(log-normal lengths, mean ~1,000 tokens) read through shuffled span tables, as `gptrain prepare`
+writes text (`gptrain/data/composed.py`).
 
 Measures: Dataset + TrainLoader startup time, the first batch, batches/s and tokens/s of
 `next_batch` (micro-batch 16 x seq_len 256, the trainer's bench config, which consumes roughly
@@ -55,6 +60,38 @@ def make_shards(folder: Path, total: int) -> None:
     )
 
 
+def make_composed(folder: Path, total: int) -> None:
+    """The same token blocks as parts, with documents shuffled into span tables (part 0 is val)."""
+    from gptrain.data.assemble import Pieces, ids, train_order, write_split
+
+    (folder / "parts").mkdir()
+    rng = np.random.default_rng(0)
+    block = rng.integers(0, 50257, size=SHARD_TOKENS, dtype=np.uint16)
+    records, lengths, parts, left, i = [], [], [], total, 0
+    while left > 0:
+        n = min(SHARD_TOKENS, left)
+        block[:8] = i
+        name = f"parts/part_{i:06d}.tok"
+        block[:n].tofile(folder / name)
+        lens = np.maximum(rng.lognormal(6.5, 0.9, size=n // 300 + 10).astype(np.int64), 1)
+        lens = lens[: int(np.searchsorted(np.cumsum(lens), n)) + 1]
+        lens[-1] = n - int(lens[:-1].sum())
+        lengths.append(lens)
+        records.append({"cont": False, "split": 2 if i == 0 else 1, "pieces": len(lens), "tokens": n})  # fmt: skip
+        parts.append({"file": name, "tokens": n, "sha256": ""})
+        left, i = left - n, i + 1
+    p = Pieces.from_parts(records, lambda k: lengths[k])
+    shards, spans = [], {}
+    for split, code in (("train", 1), ("val", 2)):
+        docs = (
+            train_order(ids(p.doc_split == code), 1337) if code == 1 else ids(p.doc_split == code)
+        )
+        entries, spans[split], _ = write_split(folder, split, p, docs, SHARD_TOKENS)
+        shards += entries
+    ident = {"name": "synthetic", "vocab_size": 50257, "eot_id": 50256, "hash": hashlib.sha256(b"synthetic 50257").hexdigest()}  # fmt: skip
+    write_manifest(folder, {"tokenizer": ident, "vocab_size": 50257, "eot_id": 50256, "dtype": "uint16", "shards": shards, "parts": parts, "spans": spans})  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=float, default=2e9)
@@ -62,13 +99,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--composed", action="store_true", help="parts + span tables, not files")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="gptrain-bench-loader-", dir=args.dir))
     try:
         t0 = time.perf_counter()
-        make_shards(folder, int(args.tokens))
+        (make_composed if args.composed else make_shards)(folder, int(args.tokens))
         write_s = time.perf_counter() - t0
-        size_gb = sum(p.stat().st_size for p in folder.iterdir()) / 1e9
+        size_gb = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e9
         rss0, anon0, file0 = rss_mb(), rss_mb("RssAnon"), rss_mb("RssFile")
         t0 = time.perf_counter()
         ds = Dataset(folder)
@@ -103,7 +141,8 @@ def main() -> None:
             ("  of which process memory (RssAnon)", f"{anon_growth:.1f} MB"),
             ("  of which mapped shard pages (RssFile)", f"{file_growth:.1f} MB"),
         ]
-        print("\n| loader, 2B-token synthetic shards | value |")
+        kind = "composed shards (parts + span tables)" if args.composed else "shard files"
+        print(f"\n| loader, {args.tokens / 1e9:g}B-token synthetic {kind} | value |")
         print("| --- | ---: |")
         for name, value in rows:
             print(f"| {name} | {value} |")

@@ -11,7 +11,8 @@ documents, as datatrove writes FineWeb's):
   processes, nothing written (the reference rate);
 - end to end: `gptrain prepare` in a subprocess: wall time, the main process's own CPU time per
   token (what would bound 32 workers), peak resident memory of the whole process tree (sampled
-  every 20 ms), bytes written (wchar of the tree) over the final shards;
+  every 20 ms), bytes written (wchar of the tree) over the prepared folder's size (its tokens,
+  span tables and document indexes);
 - a kill -9 of the whole prepare at ~50% of the parts, then the same command: its time over a
   full prepare's.
 Prints a markdown table.
@@ -147,8 +148,9 @@ def run_prepare(out: Path, files, workers: int, kill_at: float | None = None) ->
     if kill_at is not None and proc.returncode != 0:
         return {"killed": True}
     result = json.loads(stdout.decode().strip().splitlines()[-1])
-    shards = sum(p.stat().st_size for p in Path(f"{out}-w{workers}").glob("*.bin"))
-    return {**result, "peak_rss": peak[0], "written": wchar() - io0, "shard_bytes": shards}
+    folder = [p for p in Path(f"{out}-w{workers}").rglob("*") if p.is_file()]
+    stored = sum(p.stat().st_size for p in folder)  # parts (the tokens), span tables, indexes
+    return {**result, "peak_rss": peak[0], "written": wchar() - io0, "folder_bytes": stored}
 
 
 def main() -> None:
@@ -176,14 +178,14 @@ def main() -> None:
         rows.append((mb, docs, tokens, ref_s, full, rerun))
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "?")  # fmt: skip
     print(f"\n{cpu}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.workers} workers, GPT-2 tokenizer\n")  # fmt: skip
-    print("| corpus | documents | tokens | tokenize-only tok/s | prepare tok/s | ratio | main CPU ns/token | main's capacity / 32 workers' rate | peak RSS | written / shards | rerun after kill -9 at 50% |")  # fmt: skip
+    print("| corpus | documents | tokens | tokenize-only tok/s | prepare tok/s | ratio | main CPU ns/token | main's capacity / 32 workers' rate | peak RSS | written / prepared folder | rerun after kill -9 at 50% |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mb, docs, tokens, ref_s, full, rerun in rows:
         ref_rate, rate = tokens / ref_s, full["tokens"] / full["wall"]
         main_ns = full["main_cpu"] / full["tokens"] * 1e9  # includes start-up (imports, tokenizer)
         demand_32 = 32 * ref_rate / args.workers  # tokens/s 32 workers would hand to the main
         headroom = 1e9 / main_ns / demand_32
-        print(f"| {mb} MB | {docs:,} | {tokens:,} | {ref_rate / 1e6:.2f}M | {rate / 1e6:.2f}M | {rate / ref_rate:.2f}x | {main_ns:.1f} | {headroom:.1f}x | {full['peak_rss'] / 2**30:.2f} GiB | {full['written'] / full['shard_bytes']:.2f}x | {rerun['wall'] / full['wall']:.2f}x |")  # fmt: skip
+        print(f"| {mb} MB | {docs:,} | {tokens:,} | {ref_rate / 1e6:.2f}M | {rate / 1e6:.2f}M | {rate / ref_rate:.2f}x | {main_ns:.1f} | {headroom:.1f}x | {full['peak_rss'] / 2**30:.2f} GiB | {full['written'] / full['folder_bytes']:.2f}x | {rerun['wall'] / full['wall']:.2f}x |")  # fmt: skip
     if len(rows) >= 2:  # the main's CPU per extra token (start-up costs cancel out)
         f0, (_, _, t1, r1, f1, _) = rows[0][4], rows[-1]
         slope = (f1["main_cpu"] - f0["main_cpu"]) / (f1["tokens"] - f0["tokens"])

@@ -2,10 +2,12 @@
 
 import json
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gptrain import cache
 from gptrain.__main__ import main as cli
@@ -14,23 +16,32 @@ from gptrain.data import prepare as prep
 from gptrain.data import sources as corpora
 from gptrain.data.loader import Dataset
 from gptrain.data.prepare import prepare
-from gptrain.data.shards import open_shard, verify_dir
+from gptrain.data.shards import verify_dir
 from gptrain.errors import UserError
 
 
 def tokens(folder, split):
-    m = json.loads((Path(folder) / "manifest.json").read_text())
-    parts = [
-        np.asarray(open_shard(Path(folder) / s["file"])) for s in m["shards"] if s["split"] == split
-    ]
-    return np.concatenate(parts)
+    return np.concatenate([np.asarray(s) for s in Dataset(folder).shards[split]])
 
 
 def folder_bytes(folder):
-    out = {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.name != "manifest.json"}
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name != "manifest.json")
+    out = {str(p.relative_to(folder)): p.read_bytes() for p in files}
     m = json.loads((Path(folder) / "manifest.json").read_text())
     m.pop("command")
     return out, m
+
+
+def shard_content(folder):
+    """What training sees: each shard's split, tokens and document index, and the split sizes
+    (the same for any way the inputs were cut into work items)."""
+    d = Dataset(folder)
+    out = [
+        (split, np.asarray(tokens).tobytes(), (Path(folder) / e["index"]["file"]).read_bytes())
+        for split in ("train", "val")
+        for e, tokens in zip(d.entries[split], d.shards[split], strict=True)
+    ]
+    return out, d.manifest["splits"]
 
 
 def run_cli(capsys, *args):
@@ -356,11 +367,11 @@ def test_document_index_points_at_document_starts(tmp_path):
     found = []
     for split in ("train", "val"):
         entries = [e for e in m["shards"] if e["split"] == split]
-        stream = np.concatenate([np.asarray(open_shard(tmp_path / "d" / e["file"])) for e in entries])  # fmt: skip
+        stream = tokens(tmp_path / "d", split)
         starts, offset = [], 0
         for e in entries:
             idx = read_index(tmp_path / "d", e)
-            assert e["index"]["file"] == e["file"].replace(".bin", ".docs.npy")
+            assert e["index"]["file"] == e["file"] + ".docs.npy"
             assert e["index"]["sha256"] == cache.sha256_file(tmp_path / "d" / e["index"]["file"])
             starts += (idx + offset).tolist()
             offset += e["tokens"]
@@ -373,6 +384,65 @@ def test_document_index_points_at_document_starts(tmp_path):
     (tmp_path / "d" / m["shards"][0]["index"]["file"]).write_bytes(b"damaged")
     with pytest.raises(UserError, match="hash mismatch"):
         verify_dir(tmp_path / "d")
+
+
+def test_composed_shards_read_like_files_and_the_loader_sees_the_same_batches(tmp_path):
+    """Any slice of a composed shard equals the stream rebuilt piece by piece from the parts (a
+    plain loop over the span table); and the same folder rewritten as file shards feeds the
+    TrainLoader and val_batches exactly the same batches over more than an epoch."""
+    from gptrain.data import composed
+    from gptrain.data.loader import TrainLoader, val_batches
+    from gptrain.data.shards import write_manifest, write_shard
+
+    src = corpus(tmp_path, files=3, rows=60)
+    m = prepare([str(src)], tmp_path / "c", shard_tokens=7_000, workers=2, progress=False)
+    d = Dataset(tmp_path / "c")
+    for split in ("train", "val"):
+        table = composed.load_spans(tmp_path / "c", m["spans"][split]["file"])
+        total = int(table[0][-1] + table[1][-1])
+        stream = np.full(total, m["eot_id"], dtype=np.int64)
+        for pos, n, part, start in table.T.tolist():
+            raw = (tmp_path / "c" / m["parts"][part]["file"]).read_bytes()[
+                2 * start : 2 * (start + n)
+            ]
+            stream[pos : pos + n] = np.frombuffer(raw, dtype="<u2")
+        rng = np.random.default_rng(0)
+        for e, shard in zip(d.entries[split], d.shards[split], strict=True):
+            a = e["start"]
+            assert np.array_equal(np.asarray(shard), stream[a : a + e["tokens"]])
+            for lo, hi in rng.integers(0, e["tokens"] + 1, size=(40, 2)).tolist():
+                assert np.array_equal(shard[lo:hi], stream[a + lo : a + max(lo, hi)])
+
+        def reader(seed, split=split, stream=stream):  # two threads, descriptors evicted often
+            rng, wrong = np.random.default_rng(seed), 0
+            for _ in range(300):
+                k = int(rng.integers(len(d.shards[split])))
+                e, shard = d.entries[split][k], d.shards[split][k]
+                lo = int(rng.integers(e["tokens"]))
+                wrong += not np.array_equal(shard[lo : lo + 65], stream[e["start"] + lo : e["start"] + min(lo + 65, e["tokens"])])  # fmt: skip
+            return wrong
+
+        d.shards[split][0].files.MAX_OPEN = 1
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(reader, (1, 2))) == [0, 0]
+    files = tmp_path / "f"  # the same shards as files
+    files.mkdir()
+    entries = []
+    for split in ("train", "val"):
+        for e, shard in zip(d.entries[split], d.shards[split], strict=True):
+            entry = write_shard(files / f"{e['file']}.bin", np.asarray(shard), m["tokenizer"]["hash"], m["vocab_size"])  # fmt: skip
+            entries.append({**entry, "split": split})
+    write_manifest(files, {k: v for k, v in m.items() if k not in ("parts", "spans")} | {"shards": entries})  # fmt: skip
+    f = Dataset(files)
+    assert all(isinstance(s, np.memmap) for s in f.shards["train"])
+    loaders = [TrainLoader(x, seq_len=64, micro_batch_size=8, rank=1, world_size=2, seed=3) for x in (d, f)]  # fmt: skip
+    for _ in range(loaders[0].windows_per_epoch // 16 + 5):
+        (xa, ya), (xb, yb) = (loader.next_batch() for loader in loaders)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    for loader in loaders:
+        loader.close()
+    for (xa, ya), (xb, yb) in zip(val_batches(d, 64, 4, 4096, 0, 2), val_batches(f, 64, 4, 4096, 0, 2), strict=True):  # fmt: skip
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
 def test_folder_without_index_still_loads(tmp_path):
@@ -489,10 +559,9 @@ def test_ranges_row_groups_and_compression_give_the_same_shards(tmp_path, monkey
     for name, item in (("pq1", "all.parquet"), ("jsonl", "all.jsonl")):
         prepare([str(forms / item)], tmp_path / name, workers=2, **kw)
     prepare([str(forms / "all.parquet")], tmp_path / "pq2", workers=1, **kw)
-    ref = folder_bytes(tmp_path / "ref")
+    ref = shard_content(tmp_path / "ref")
     for name in ("gz", "pq1", "pq2", "jsonl"):
-        got = folder_bytes(tmp_path / name)
-        assert got[0] == ref[0] and got[1]["splits"] == ref[1]["splits"], name
+        assert shard_content(tmp_path / name) == ref, name
 
 
 def test_large_text_file_read_in_ranges_is_one_document(shakespeare_txt, tmp_path, monkeypatch):
@@ -512,27 +581,32 @@ def test_large_text_file_read_in_ranges_is_one_document(shakespeare_txt, tmp_pat
     ):  # each range ends before "\n" after a non-space
         assert a["range"][1] == b["range"][0] and text.encode()[b["range"][0]] == 10
     prepare([str(folder)], tmp_path / "ranges", workers=2, progress=False, shuffle=False)
-    assert folder_bytes(tmp_path / "ranges") == folder_bytes(tmp_path / "whole")
+    assert shard_content(tmp_path / "ranges") == shard_content(tmp_path / "whole")
     m = json.loads((tmp_path / "ranges" / "manifest.json").read_text())
     assert m["documents"] == 2
 
 
 def test_zst_input(tmp_path, capsys, monkeypatch):
+    """A .jsonl.zst gives the shards of the same JSONL uncompressed; a corrupt one and a missing
+    zstandard package are each one line naming the file, exit 2."""
+    import sys
+
+    zstandard = pytest.importorskip("zstandard", reason="zstandard is in the dev extra")
     f = tmp_path / "a.jsonl.zst"
-    try:
-        import zstandard
-    except ImportError:
-        f.write_bytes(b"(\xb5/\xfd not really")
-        code, err = run_cli(capsys, "--input", f, "--out", tmp_path / "d")
-        assert code == 2 and err.count("\n") == 1 and "needs the zstandard package" in err
-        assert str(f) in err
-        return
-    rows = "".join(json.dumps({"text": f"row {i} text"}) + "\n" for i in range(30))
+    rows = "".join(json.dumps({"text": f"row {i} text " * (i % 7 + 1)}) + "\n" for i in range(300))
     f.write_bytes(zstandard.ZstdCompressor().compress(rows.encode()))
     (tmp_path / "a.jsonl").write_text(rows)
     prepare([str(f)], tmp_path / "z", progress=False)
     prepare([str(tmp_path / "a.jsonl")], tmp_path / "p", progress=False)
-    assert folder_bytes(tmp_path / "z")[0] == folder_bytes(tmp_path / "p")[0]
+    assert shard_content(tmp_path / "z") == shard_content(tmp_path / "p")
+    bad = tmp_path / "bad.jsonl.zst"
+    bad.write_bytes(f.read_bytes()[:40] + b"\x00" * 40)
+    code, err = run_cli(capsys, "--input", bad, "--out", tmp_path / "d")
+    assert code == 2 and err.count("\n") == 1 and str(bad) in err
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as if not installed
+    code, err = run_cli(capsys, "--input", f, "--out", tmp_path / "d2")
+    assert code == 2 and err.count("\n") == 1 and "needs the zstandard package" in err
+    assert str(f) in err
 
 
 def test_bad_files_one_line(tmp_path, capsys):
@@ -559,31 +633,42 @@ def test_workers_default_to_the_cores_available(monkeypatch):
     assert command.default_workers() == len(os.sched_getaffinity(0))
 
 
-def test_shards_written_before_a_failure_are_kept(tmp_path, monkeypatch):
-    """Phase 2 resumes too: shards finished before a failure are not written again."""
-    from gptrain.data import assemble
+def test_tokens_are_written_once_and_kept_through_a_failure(tmp_path, monkeypatch):
+    """The folder's tokens are the parts, hard-linked from the work folder (no token is written
+    twice; nothing else in the folder holds tokens); a failure after tokenizing keeps every part
+    and the rerun tokenizes nothing, links the same files and ends byte-identical."""
+    from gptrain.data import assemble, composed, parts
 
     src = corpus(tmp_path, files=4, rows=40)
     kw = {"shard_tokens": 5_000, "progress": False}
-    prepare([str(src)], tmp_path / "ref", **kw)
-    real, calls, failed = assemble.write_shard_chunks, [], []
-
-    def flaky(path, *a, **k):
-        calls.append(Path(path).name)
-        if len(calls) == 4 and not failed:
-            failed.append(path)
-            raise UserError("disk full (simulated)")
-        return real(path, *a, **k)
-
-    monkeypatch.setattr(assemble, "write_shard_chunks", flaky)
+    m = prepare([str(src)], tmp_path / "ref", **kw)
+    stored = sum(p.stat().st_size for p in (tmp_path / "ref" / "parts").iterdir())
+    spans = {s: composed.load_spans(tmp_path / "ref", r["file"]) for s, r in m["spans"].items()}
+    assert stored == 2 * sum(int(t[composed.LEN].sum()) for t in spans.values())  # each once
+    others = {p.name for p in (tmp_path / "ref").iterdir() if p.is_file()}
+    assert others == {"manifest.json", "train.spans.npy", "val.spans.npy"} | {e["index"]["file"] for e in m["shards"]}  # fmt: skip
+    real = assemble.write_index
+    monkeypatch.setattr(assemble, "write_index", lambda *a: (_ for _ in ()).throw(UserError("disk full (simulated)")))  # fmt: skip
     with pytest.raises(UserError, match="simulated"):
         prepare([str(src)], tmp_path / "out", **kw)
-    assert len(list((tmp_path / ".out.parts").glob("shards-*/.train_*.done.json"))) == 3
-    calls.clear()
-    m = prepare([str(src)], tmp_path / "out", **kw)
-    assert calls[0] == "train_000003.bin" and len(calls) == len(m["shards"]) - 3
+    inodes = {p.stat().st_ino for p in (tmp_path / ".out.parts").glob("*.tok")}
+    assert len(inodes) == len(m["parts"])
+    monkeypatch.setattr(assemble, "write_index", real)
+    calls = []
+    monkeypatch.setattr(parts, "run_item", lambda *a: calls.append(a))
+    prepare([str(src)], tmp_path / "out", **kw)
+    assert calls == [] and {p.stat().st_ino for p in (tmp_path / "out" / "parts").iterdir()} == inodes  # fmt: skip
     assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "ref")
     assert not (tmp_path / ".out.parts").exists()
+    part = tmp_path / "out" / m["parts"][1]["file"]
+    raw = bytearray(part.read_bytes())
+    raw[3] ^= 1
+    part.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match="hash mismatch for .*part_000001"):
+        verify_dir(tmp_path / "out")
+    part.write_bytes(bytes(raw[:-2]))
+    with pytest.raises(UserError, match="truncated part .*part_000001"):
+        Dataset(tmp_path / "out")
 
 
 def test_hf_stream_retries_then_one_line(tmp_path, monkeypatch, capsys):

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from gptrain.data import llmc
-from gptrain.data.shards import open_entry, read_manifest, write_index
+from gptrain.data.shards import open_entries, read_manifest, write_index
 from gptrain.data.tokenizers import GPT2_TIKTOKEN_SHA256
 from gptrain.errors import UserError
 
@@ -130,9 +130,8 @@ def export_llmc(src, out) -> list[dict]:
     tmp.mkdir()
     written, index = [], {"train": 0, "val": 0}
     try:
-        for entry in manifest["shards"]:
+        for entry, tokens in zip(manifest["shards"], open_entries(src, manifest), strict=True):
             split = entry["split"]
-            tokens = open_entry(src, entry, tok["hash"])
             name = f"{split}_{index[split]:06d}.bin"
             index[split] += 1
             sha = llmc.write_file(tmp / name, tokens)

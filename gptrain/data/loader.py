@@ -1,6 +1,8 @@
 """Feeding training from prepared token shards: exactly once per epoch, resumable at any step.
 
-Shards (gptrain's own, or llm.c shards taken as they are) are memory-mapped (nothing read up front: memory does not grow with the data set).
+Shards (gptrain's own files, composed shards read from the parts of a text prepare, or llm.c
+shards taken as they are) are memory-mapped or read with pread (nothing read up front: memory
+does not grow with the data set).
 A training sample is a window of seq_len + 1 tokens inside one shard, windows starting every
 `stride` tokens (default seq_len: no overlap). Each epoch visits every window exactly once:
 
@@ -28,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptrain.data.shards import open_entry, read_manifest
+from gptrain.data.shards import open_entries, open_entry, read_manifest
 from gptrain.data.tokenizers import Tokenizer, load_tokenizer
 from gptrain.errors import UserError
 
@@ -47,7 +49,6 @@ class Dataset:
         self.manifest = read_manifest(self.data_dir)
         self.vocab_size = int(self.manifest["vocab_size"])
         self.eot_id = int(self.manifest["eot_id"])
-        tok_hash = self.manifest["tokenizer"]["hash"]
         self.shards: dict[str, list[np.ndarray]] = {"train": [], "val": []}
         self.entries: dict[str, list[dict]] = {"train": [], "val": []}
         for entry in self.manifest["shards"]:
@@ -55,7 +56,8 @@ class Dataset:
                 raise UserError(
                     f"{self.data_dir}/manifest.json: shard {entry.get('file')} has split {entry.get('split')!r}; allowed: train, val"
                 )
-            self.shards[entry["split"]].append(open_entry(self.data_dir, entry, tok_hash))
+        for entry, tokens in zip(self.manifest["shards"], open_entries(self.data_dir, self.manifest), strict=True):  # fmt: skip
+            self.shards[entry["split"]].append(tokens)
             self.entries[entry["split"]].append(entry)
         self._tokenizer: Tokenizer | None = None
 
@@ -73,6 +75,8 @@ class Dataset:
         """Map shard `index` afresh: pages touched through the old mapping leave our resident
         memory (they stay in the kernel's page cache), so memory does not grow while reading."""
         entry, tok_hash = self.entries[split][index], self.manifest["tokenizer"]["hash"]
+        if entry.get("format") == "composed":  # read with pread: nothing mapped
+            return self.shards[split][index]
         self.shards[split][index] = open_entry(self.data_dir, entry, tok_hash)
         return self.shards[split][index]
 

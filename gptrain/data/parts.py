@@ -7,9 +7,11 @@ main process can produce (hf: datasets, built-in corpora, a single document's va
 to the workers as text. Items are listed in a fixed order (`plan`); every finished item leaves a
 part in the work folder `.<out>.parts/` beside --out:
 
-    <key>.tok       its tokens, the shard dtype, documents back to back (no end-of-text)
+    <key>.tok       its tokens, the shard dtype (little-endian), documents back to back (no
+                    end-of-text); the prepared folder keeps it (hard-linked) as its tokens
     <key>.len.npy   tokens per piece (a document, or the part of one inside this item)
-    <key>.json      written last, atomically: its presence means the part is complete
+    <key>.json      written last, atomically: its presence means the part is complete (it
+                    holds the tokens' count and sha256)
 
 `key` hashes the item (path, size, mtime, range or row group) and the settings that shape its
 tokens, so the same command again reuses every finished part and redoes only the rest (a kill
@@ -243,9 +245,16 @@ def encode_long(tok, text: str) -> np.ndarray:
 def run_item(item: dict, key: str, workdir: str, settings: dict) -> dict:
     """Read and tokenize one item into its part; return the part's record."""
     tok, folder = _tokenizer, Path(workdir)
-    dtype = dtype_for_vocab(tok.vocab_size)
+    dtype = dtype_for_vocab(tok.vocab_size).newbyteorder("<")
     lengths, replaced, pending, n_pending = [], {}, [], 0
+    sha = hashlib.sha256()
     tmp = folder / f".{key}.tok.tmp-{os.getpid()}"
+
+    def put(f, arrays):
+        raw = np.concatenate(arrays).tobytes()
+        f.write(raw)
+        sha.update(raw)
+
     try:
         with open(tmp, "wb") as f:
             for text in _item_texts(item, settings, replaced):
@@ -254,10 +263,10 @@ def run_item(item: dict, key: str, workdir: str, settings: dict) -> dict:
                 pending.append(arr)
                 n_pending += len(arr)
                 if n_pending >= WRITE_TOKENS:
-                    f.write(np.concatenate(pending).tobytes())
+                    put(f, pending)
                     pending, n_pending = [], 0
             if pending:
-                f.write(np.concatenate(pending).tobytes())
+                put(f, pending)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -268,7 +277,7 @@ def run_item(item: dict, key: str, workdir: str, settings: dict) -> dict:
     with open(tmp, "wb") as f:
         np.save(f, np.asarray(lengths, dtype=np.int64), allow_pickle=False)
     os.replace(tmp, folder / f"{key}.len.npy")
-    record = {"key": key, "tokens": int(sum(lengths)), "pieces": len(lengths), "cont": bool(item.get("cont")), "split": item["split"], "replaced": replaced}  # fmt: skip
+    record = {"key": key, "tokens": int(sum(lengths)), "sha256": sha.hexdigest(), "pieces": len(lengths), "cont": bool(item.get("cont")), "split": item["split"], "replaced": replaced}  # fmt: skip
     tmp = folder / f".{key}.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, folder / f"{key}.json")
@@ -283,7 +292,11 @@ def finished(workdir: Path, key: str, itemsize: int) -> dict | None:
         size = (workdir / f"{key}.tok").stat().st_size
     except (OSError, ValueError):
         return None
-    if len(lengths) != record["pieces"] or size != int(lengths.sum()) * itemsize:
+    if (
+        len(lengths) != record["pieces"]
+        or size != int(lengths.sum()) * itemsize
+        or "sha256" not in record
+    ):
         return None
     return record
 

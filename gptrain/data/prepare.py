@@ -8,20 +8,18 @@ or llm.c GPT-2 shards in, token shards + document indexes + manifest.json out.
 
 Text: work items (files, byte ranges, Parquet row groups) are read and tokenized by the workers
 into resumable parts in `.<out>.parts/` (`gptrain.data.parts`; the same command again reuses
-finished parts). The val split is --val-input's documents, or documents chosen by a seeded
+finished parts), and the parts are the prepared folder's tokens: they are written once. The val split is --val-input's documents, or documents chosen by a seeded
 permutation up to the val budget (--val-fraction of the tokens, at most --val-max-tokens; or
 --val-tokens); a single text file gives its last val-fraction of characters to val. The train
 documents are shuffled (seeded; --no-shuffle keeps input order). Each split's documents,
-separated by the end-of-text token, are cut into shards written from the parts
-(`gptrain.data.assemble`), each with its document index, in a folder renamed to --out only when
-complete. llm.c shards are taken as they are (`gptrain.data.convert`).
+separated by the end-of-text token, make its token stream, cut into shards that are ranges of it
+read through the split's span table (`gptrain.data.assemble`, `gptrain.data.composed`), each
+with its document index, in a folder renamed to --out only when complete. llm.c shards are taken as they are (`gptrain.data.convert`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import math
 import os
 import shutil
@@ -35,11 +33,11 @@ from gptrain.data import encode, llmc, parts
 from gptrain.data.assemble import (
     VAL_MAX_TOKENS,
     Pieces,
-    SplitLayout,
+    check_sizes,
     choose_val,
-    split_sizes,
+    ids,
     train_order,
-    write_shards,
+    write_split,
 )
 from gptrain.data.convert import import_llmc
 from gptrain.data.encode import tokenize_to_file
@@ -86,7 +84,8 @@ def is_single_text(expanded: list[str], val_inputs, val_tokens) -> bool:
 
 def tokenize_parts(expanded, val_expanded, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens):  # fmt: skip
     """Phase 1: every work item tokenized into its part (finished parts of an earlier run
-    reused). Returns (Pieces, part token files, whether it was the single-document cut)."""
+    reused). Returns (Pieces, part records, part token files, whether it was the single-document
+    cut)."""
     from tqdm import tqdm
 
     single = is_single_text(expanded, val_expanded, val_tokens)
@@ -110,9 +109,8 @@ def tokenize_parts(expanded, val_expanded, tok, workdir, workers, progress, text
             stats[source] = stats.get(source, 0) + n
     for source, n in stats.items():
         print(f"gptrain: warning: {source}: replaced {n} invalid UTF-8 sequence(s) with U+FFFD", file=sys.stderr)  # fmt: skip
-    lengths = [np.load(workdir / f"{r['key']}.len.npy", allow_pickle=False) for r in records]
-    pieces = Pieces.from_parts(records, lengths)
-    return pieces, [workdir / f"{r['key']}.tok" for r in records], single
+    pieces = Pieces.from_parts(records, lambda k: np.load(workdir / f"{records[k]['key']}.len.npy", allow_pickle=False))  # fmt: skip
+    return pieces, records, [workdir / f"{r['key']}.tok" for r in records], single
 
 
 def prepare(
@@ -171,11 +169,9 @@ def prepare(
             manifest, folder = prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed)  # fmt: skip
             manifest["text_field"] = text_field
             manifest["invalid_utf8"] = {"replaced": sum(stats.values()), "files": stats}
-        manifest = {"format": "gptrain-shards", "version": 1, **manifest, **settings}
+        manifest = {"format": "gptrain-shards", "version": 2 if "parts" in manifest else 1, **manifest, **settings}  # fmt: skip
         manifest["command"] = command or f"prepare({', '.join(map(repr, inputs))}, tokenizer={tokenizer!r})"  # fmt: skip
         write_manifest(folder, manifest)
-        for record in folder.glob(".*.done.json"):  # the shard writers' resume records
-            record.unlink()
         publish(folder, out)
         shutil.rmtree(workdir, ignore_errors=True)
         Path(lock.name).unlink(missing_ok=True)  # waiting processes find --out published
@@ -203,42 +199,52 @@ def exclusive(path: Path):
 
 
 def prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed) -> tuple[dict, Path]:  # fmt: skip
-    """Phase 1 (parts), then the split, shuffle and shards, written in a folder inside the work
-    folder named after everything that decides them, so a rerun keeps the shards already written.
-    Returns (manifest fields, that folder)."""
+    """Phase 1 (parts), then the split, shuffle and shards: a folder inside the work folder that
+    holds the parts (hard links: the tokens are written once), each split's span table and each
+    shard's document index. Returns (manifest fields, that folder)."""
     expanded, val_expanded = expand_inputs(inputs), expand_inputs(val_inputs or [])
-    pieces, part_paths, single = tokenize_parts(expanded, val_expanded, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens)  # fmt: skip
-    if int(pieces.doc_len.sum()) == 0:
+    pieces, records, part_paths, single = tokenize_parts(expanded, val_expanded, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens)  # fmt: skip
+    if int(pieces.length.sum(dtype=np.int64)) == 0:
         raise UserError(f"empty input: {' '.join(inputs)} holds no text")
     if val_inputs and not (pieces.doc_split == 2).any():
         raise UserError(f"empty input: --val-input {' '.join(val_inputs)} holds no text")
-    n_docs = len(pieces.doc_len) - (1 if single else 0)
-    auto = pieces.doc_split == 0
-    if auto.sum() == 1 and len(auto) == 1:  # one document: its last val tokens
-        n = int(pieces.doc_len[0])
+    n_docs = pieces.num_docs - (1 if single else 0)
+    if pieces.num_docs == 1 and pieces.doc_split[0] == 0:  # one document: its last val tokens
+        n = int(pieces.length.sum(dtype=np.int64))
         want = val_tokens if val_tokens is not None else math.ceil(val_fraction * n)
         if val_tokens is None and val_max_tokens is not None:
             want = min(want, val_max_tokens)
         if want >= n:
             raise UserError(f"val split takes all {n} tokens, leaving none for training; lower --val-fraction or --val-tokens")  # fmt: skip
-        pieces, auto = pieces.cut_single(n - want), np.zeros(2, dtype=bool)
+        pieces = pieces.cut_single(n - want)
     is_val = pieces.doc_split == 2
-    if auto.any():
-        is_val[auto] = choose_val(pieces.doc_len[auto], val_fraction, val_tokens, seed, val_max_tokens)  # fmt: skip
-    split_sizes(is_val, pieces.doc_len)
-    orders = {"train": train_order(np.flatnonzero(~is_val), shuffle_seed), "val": np.flatnonzero(is_val)}  # fmt: skip
-    layouts = {split: SplitLayout.build(pieces, docs, shard_tokens) for split, docs in orders.items()}  # fmt: skip
+    candidates = ids(pieces.doc_split == 0)
+    if len(candidates):
+        is_val[choose_val(pieces, candidates, val_fraction, val_tokens, seed, val_max_tokens)] = True  # fmt: skip
+    del candidates
+    orders = {"val": ids(is_val)}
+    is_val = np.logical_not(is_val, out=is_val)
+    orders = {"train": ids(is_val), **orders}
+    del is_val
+    check_sizes(pieces.tokens(orders["train"]), pieces.tokens(orders["val"]))
+    orders["train"] = train_order(orders["train"], shuffle_seed)
     dtype = dtype_for_vocab(tok.vocab_size)
-    decided = {"parts": [p.name for p in part_paths], "val": [val_fraction, val_tokens, val_max_tokens, bool(val_inputs)], "seed": seed, "shuffle": shuffle_seed, "shard_tokens": shard_tokens}  # fmt: skip
-    tmp = workdir / ("shards-" + hashlib.sha256(json.dumps(decided).encode()).hexdigest()[:16])
-    tmp.mkdir(exist_ok=True)
-    shards = write_shards(tmp, layouts, pieces, part_paths, tok, dtype, workers)
+    tmp = workdir / "folder"  # published as --out; made afresh (it holds no tokens of its own)
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "parts").mkdir(parents=True)
+    part_entries = []
+    for i, (path, record) in enumerate(zip(part_paths, records, strict=True)):
+        name = f"parts/part_{i:06d}.tok"
+        link_or_copy(path, tmp / name)
+        part_entries.append({"file": name, "tokens": record["tokens"], "sha256": record["sha256"]})
+    shards, spans, splits = [], {}, {}
+    for split, docs in orders.items():
+        entries, spans[split], total = write_split(tmp, split, pieces, docs, shard_tokens)
+        shards += entries
+        splits[split] = {"tokens": total, "segments": len(docs), "documents": len(docs)}
+    del orders, pieces
     if tok.name == "bpe":  # keep the tokenizer with the data, for sampling elsewhere
         shutil.copyfile(tok.path, tmp / "tokenizer.json")
-    splits = {
-        s: {"tokens": lay.total, "segments": len(orders[s]), "documents": len(orders[s])}
-        for s, lay in layouts.items()
-    }
     return {
         "tokenizer": tok.identity(),
         "vocab_size": tok.vocab_size,
@@ -247,12 +253,23 @@ def prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field
         "splits": splits,
         "documents": n_docs,
         "shards": shards,
+        "parts": part_entries,
+        "spans": spans,
         "val_fraction": None if val_tokens is not None or val_inputs else val_fraction,
         "val_tokens": val_tokens,
         "val_max_tokens": None if val_tokens is not None or val_inputs else val_max_tokens,
         "shard_tokens": shard_tokens,
         "shuffle": None if shuffle_seed is None else {"seed": shuffle_seed, "split": "train"},
     }, tmp
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """dst as a second name of src's data (a hard link: nothing written), or a copy where the
+    file system has no hard links."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def publish(tmp: Path, out: Path) -> None:

@@ -16,8 +16,10 @@ shard taken as it is (`gptrain.data.llmc`; its "file" is relative to the folder,
 the original could not be hard-linked); `open_entry` opens either kind. An entry's "index" names
 its document index: `<shard>.docs.npy`, int64 positions (inside the shard) where a document
 starts, i.e. the token after each end-of-text separator (and 0 when the split's first document
-starts there), with its sha256. `verify_dir` checks every shard's (and index's) sha256 against
-the manifest and that every token id is inside the vocabulary.
+starts there), with its sha256. An entry with "format": "composed" is a range of a split's token stream read
+from the folder's parts (`gptrain.data.composed`); `open_entries` opens every entry of a
+manifest. `verify_dir` checks every shard's (and index's) sha256 against the manifest and that
+every token id is inside the vocabulary.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from gptrain.cache import sha256_file
-from gptrain.data import llmc
+from gptrain.data import composed, llmc
 from gptrain.errors import UserError
 
 MAGIC = b"GPTRSHRD"
@@ -70,44 +72,6 @@ def write_shard(
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return {"file": path.name, "tokens": int(data.size), "sha256": sha.hexdigest()}
-
-
-def write_shard_chunks(path, count: int, chunks, tokenizer_hash: str, dtype) -> dict:
-    """Write a shard of `count` tokens given as consecutive arrays (memory stays ~4M tokens
-    whatever the shard's size); same file and entry as `write_shard`."""
-    path, dtype = Path(path), np.dtype(dtype).newbyteorder("<")
-    header = HEADER.pack(MAGIC, VERSION, dtype.itemsize, count, bytes.fromhex(tokenizer_hash))
-    sha, stage, fill, written = hashlib.sha256(header), np.empty(1 << 22, dtype=dtype), 0, 0
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(header)
-
-        def put(arr):
-            nonlocal written
-            view = memoryview(np.ascontiguousarray(arr, dtype=dtype)).cast("B")
-            f.write(view)
-            sha.update(view)
-            written += len(arr)
-
-        for arr in chunks:
-            if len(arr) >= len(stage):
-                put(stage[:fill])
-                put(arr)
-                fill = 0
-                continue
-            if fill + len(arr) > len(stage):
-                put(stage[:fill])
-                fill = 0
-            stage[fill : fill + len(arr)] = arr
-            fill += len(arr)
-        put(stage[:fill])
-        f.flush()
-        os.fsync(f.fileno())
-    if written != count:
-        tmp.unlink()
-        raise AssertionError(f"{path}: wrote {written} tokens, expected {count}")
-    os.replace(tmp, path)
-    return {"file": path.name, "tokens": int(count), "sha256": sha.hexdigest()}
 
 
 def read_header(path) -> tuple[int, int, str]:
@@ -167,6 +131,29 @@ def open_entry(folder, entry: dict, tokenizer_hash: str | None = None) -> np.nda
     return open_shard(path, entry["tokens"], tokenizer_hash)
 
 
+def open_entries(folder, manifest: dict) -> list:
+    """The tokens of every manifest entry, in order: file shards memory-mapped, composed shards
+    (`gptrain.data.composed`) sharing one reader of the parts and one span table per split."""
+    tok_hash, files, spans, out = manifest["tokenizer"]["hash"], None, {}, []
+    for entry in manifest["shards"]:
+        if entry.get("format") != "composed":
+            out.append(open_entry(folder, entry, tok_hash))
+            continue
+        try:
+            if files is None:
+                files = composed.PartFiles(folder, manifest["parts"], np.dtype(manifest["dtype"]))
+            if entry["spans"] not in spans:
+                spans[entry["spans"]] = composed.load_spans(folder, entry["spans"])
+            table = spans[entry["spans"]]
+            end = int(table[0][-1] + table[1][-1]) if table.shape[1] else 0
+            if not 0 <= int(entry["start"]) <= int(entry["start"]) + int(entry["tokens"]) <= end:
+                raise ValueError(f"shard {entry['file']} lies outside its span table")
+            out.append(composed.Composed(table, entry["start"], entry["tokens"], files, int(manifest["eot_id"])))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{Path(folder) / MANIFEST}: malformed composed shard entry ({e}); re-run gptrain prepare") from None  # fmt: skip
+    return out
+
+
 def write_index(path, starts: np.ndarray) -> dict:
     """Save a shard's document starts as .npy (no pickle); return the manifest's "index" entry."""
     path = Path(path)
@@ -224,14 +211,16 @@ def read_manifest(folder) -> dict:
 
 
 def verify_dir(folder) -> None:
-    """Check every shard of a prepared folder: header, count, sha256, token ids < vocab size."""
+    """Check every shard of a prepared folder: header, count, sha256, token ids < vocab size (a
+    composed folder: its parts and span tables, `gptrain.data.composed.verify`)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     vocab = int(manifest["vocab_size"])
-    for entry in manifest["shards"]:
+    if "parts" in manifest:
+        composed.verify(folder, manifest)
+    for entry, tokens in zip(manifest["shards"], open_entries(folder, manifest), strict=True):
         path = folder / entry["file"]
-        tokens = open_entry(folder, entry, manifest["tokenizer"]["hash"])
-        files = [(path, entry["sha256"])]
+        files = [] if entry.get("format") == "composed" else [(path, entry["sha256"])]
         if entry.get("index"):
             files.append((folder / entry["index"]["file"], entry["index"]["sha256"]))
         for file, want in files:
@@ -247,6 +236,8 @@ def verify_dir(folder) -> None:
             raise UserError(
                 f"document index of {path} points outside the shard; re-run gptrain prepare"
             )
+        if entry.get("format") == "composed":
+            continue  # its token ids were checked in the parts
         for start in range(0, len(tokens), 1 << 24):
             top = int(tokens[start : start + (1 << 24)].max())
             if top >= vocab:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import glob
+import io
 import json
 import re
 import sys
@@ -63,7 +64,8 @@ def open_binary(path: str):
                     f"{path}: reading .zst needs the zstandard package (pip install zstandard), "
                     "or decompress it first (zstd -d)"
                 ) from None
-            return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+            reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+            return io.BufferedReader(reader, 1 << 20)  # zstandard's reader has no readline
         return open(path, "rb")
     except OSError as e:
         raise UserError(f"cannot read input file {path}: {e.strerror}") from None
