@@ -8,13 +8,14 @@ or llm.c GPT-2 shards in, token shards + document indexes + manifest.json out.
 
 Text: work items (files, byte ranges, Parquet row groups) are read and tokenized by the workers
 into resumable parts in `.<out>.parts/` (`gptrain.data.parts`; the same command again reuses
-finished parts), and the parts are the prepared folder's tokens: they are written once. The val split is --val-input's documents, or documents chosen by a seeded
-permutation up to the val budget (--val-fraction of the tokens, at most --val-max-tokens; or
---val-tokens); a single text file gives its last val-fraction of characters to val. The train
-documents are shuffled (seeded; --no-shuffle keeps input order). Each split's documents,
-separated by the end-of-text token, make its token stream, cut into shards that are ranges of it
-read through the split's span table (`gptrain.data.assemble`, `gptrain.data.composed`), each
-with its document index, in a folder renamed to --out only when complete. llm.c shards are taken as they are (`gptrain.data.convert`).
+finished parts), and the parts are the prepared folder's tokens: they are written once. The val
+split is --val-input's documents, or documents chosen by a seeded permutation up to the val
+budget (--val-fraction of the tokens, at most --val-max-tokens; or --val-tokens); a single text
+file gives its last val-fraction of characters to val. The train documents are shuffled (seeded;
+--no-shuffle keeps input order). Each split's documents, separated by the end-of-text token, make
+its token stream, cut into shards that are ranges of it read through the split's span table
+(`gptrain.data.assemble`, `gptrain.data.composed`), each with its document index, in a folder
+renamed to --out only when complete. llm.c shards are taken as they are (`gptrain.data.convert`).
 """
 
 from __future__ import annotations
