@@ -178,7 +178,7 @@ class Check:
             r = self.train(mode, n, self.overrides(mode, "gpt2", steps, f"dist.mode={mode}"))
             ok = abs(r["train_loss"] - ref) <= tol * abs(ref)
             self.rows.append((f"GPT-2 124M, {mode.upper()} x {n}", f"loss {r['train_loss']:.4f} vs 1 {self.device} {ref:.4f}", "OK" if ok else "MISMATCH"))  # fmt: skip
-        self.rows.append(self.kill_and_resume(n, 8 if self.dry else steps))
+        self.rows.append(self.kill_and_resume(n, 4 if self.dry else steps))  # dry: a save a step
         xl = self.train("xl", n, self.overrides("xl", "gpt2-xl", 4 if not self.dry else 2, "dist.mode=fsdp", "train.activation_checkpointing=blocks", "checkpoint.every=1"))  # fmt: skip
         self.rows.append((f"GPT-2 XL, FSDP2 x {n}, activation checkpointing", f"peak {xl['peak_mib']:,.0f} MiB per rank, {xl['tok_per_s']:,.0f} tok/s", f"sharded checkpoint save {min(xl['save_s']):.1f} s"))  # fmt: skip
 

@@ -12,7 +12,12 @@ import chaos  # noqa: E402
 
 
 @pytest.mark.slow
-def test_chaos_drill_five_events(byte_data, tmp_path):
+def test_chaos_drill_five_events(byte_data, tmp_path, monkeypatch):
+    # 30 steps, not the drill's 60: this seed's five events all come before step 21, and each
+    # run (the uninterrupted one, the last attempt) then trains half as long
+    assert chaos.ARGS[0] == f"--train.max_steps={chaos.STEPS}"
+    monkeypatch.setattr(chaos, "STEPS", 30)
+    monkeypatch.setattr(chaos, "ARGS", ["--train.max_steps=30", *chaos.ARGS[1:]])
     lines = []
     assert chaos.drill(5, 1, byte_data, tmp_path, echo=lines.append), lines
     assert len(lines) >= 7 and lines[-1].startswith("OK: 5 events")

@@ -8,7 +8,6 @@ from that very step."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,14 +56,6 @@ def lose_node(agent: subprocess.Popen) -> None:
     agent.wait()
 
 
-def port_open(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
 def log_lines(run_dir: Path) -> list[str]:
     path = run_dir / "train.log"
     return path.read_text().splitlines() if path.is_file() else []
@@ -79,36 +70,59 @@ def wait_for(predicate, procs, timeout: float) -> None:
     raise AssertionError("timed out waiting (or an agent ended)")
 
 
+# Each agent is gptrain's own launcher (gptrain.distributed.launch) with torchrun's --rdzv_conf
+# added: a node's heartbeat is stale after 2 x 3 s (torch's default 5 x 3 s), and once the minimum
+# node count has joined, the rendezvous waits 5 s for more before it closes (torch's default 30 s),
+# so the survivor of a lost node re-forms after about 11 s, not 45 s. The second agent must join
+# within those 5 s of the first: it imports first, then waits for the first agent's store.
+RDZV_CONF = "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3"
+AGENT = f"""import os, socket, sys, time
+import gptrain.commands.train
+from torch.distributed import run
+launch = run.main
+run.main = lambda args: launch(["--rdzv_conf={RDZV_CONF}", *args])
+port = int(os.environ.get("WAIT_FOR_PORT", 0))
+while port:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.05)
+from gptrain.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
 def test_two_loopback_agents_lose_a_node_and_get_it_back(byte_data, tmp_path):
-    steps = 400
+    steps = 240  # the survivor must still be training when the lost node is back (~80 steps)
     common = [f"train.max_steps={steps}", "train.micro_batch_size=4", "checkpoint.every=5"]
     common += ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
     common += ["optim.warmup_steps=1", "log.every=1", "log.progress=false", "train.dtype=float32"]
     run(byte_data, tmp_path / "ref", *common)  # uninterrupted, one process
     run_dir, port = tmp_path / "el", h.free_port()
-    cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    cmd = [sys.executable, "-c", AGENT, "train", "--config", DEBUG, f"--data.dir={byte_data}"]
     cmd += [f"--run.dir={run_dir}", *(f"--{c}" for c in common), "--dist.nnodes=1:2"]
     cmd += ["--dist.nproc_per_node=1", f"--dist.rdzv_endpoint=127.0.0.1:{port}"]
 
     logs = []
 
-    def agent():  # stderr to a file: an unread pipe fills up and blocks the agent
+    def agent(**env):  # stderr to a file: an unread pipe fills up and blocks the agent
         logs.append(tmp_path / f"agent{len(logs)}.err")
-        return subprocess.Popen(cmd, env=h.env(), stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w"), start_new_session=True)  # fmt: skip
+        return subprocess.Popen(cmd, env=h.env(**env), stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w"), start_new_session=True)  # fmt: skip
 
-    a = agent()  # first, so that its agent hosts the rendezvous store (torch's c10d backend
+    a = agent()  # its agent hosts the rendezvous store: b waits for it (torch's c10d backend
     b = None  # cannot lose the node that hosts it: on a cluster, that is the endpoint's node)
     try:
-        wait_for(lambda: port_open(port), [a], 120)
-        b = agent()
+        b = agent(WAIT_FOR_PORT=port)
         wait_for(lambda: any("checkpoint" in x and "step_00000015" in x for x in log_lines(run_dir)), [a, b], 180)  # fmt: skip
         assert "world size 2" in log_lines(run_dir)[0]
         lose_node(b)
         resumed = lambda: [x for x in log_lines(run_dir) if x.startswith("resumed from")]  # noqa: E731
-        wait_for(lambda: len(resumed()) == 1, [a], 180)  # re-formed (after torch's last call, 30 s)
+        wait_for(lambda: len(resumed()) == 1, [a], 180)  # re-formed (stale heartbeat, last call)
         assert "world size 1, micro-batch 4, accumulation 4" in resumed()[0]
-        b = agent()  # the node comes back: the job saves, re-forms at 2 and goes on from there
+        # the node comes back: the job saves, re-forms at 2 and goes on from there
+        b = agent(WAIT_FOR_PORT=port)
         wait_for(lambda: len(resumed()) == 2, [a, b], 180)
         a.wait(timeout=300)
         b.wait(timeout=300)
@@ -133,5 +147,5 @@ def test_two_loopback_agents_lose_a_node_and_get_it_back(byte_data, tmp_path):
     el_state = checkpoint.load_state(checkpoint.find(run_dir))
     assert el_state["data"] == ref_state["data"]  # the same tokens seen
     a_w, b_w = weights(tmp_path / "ref"), weights(run_dir)
-    for k in a_w:  # 400 AdamW steps magnify float noise in parameters whose gradient is ~0
+    for k in a_w:  # 240 AdamW steps magnify float noise in parameters whose gradient is ~0
         torch.testing.assert_close(b_w[k], a_w[k], rtol=0, atol=1e-2, msg=k)
