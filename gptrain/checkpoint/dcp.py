@@ -40,9 +40,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as tdist
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta
 
 from gptrain.checkpoint import folder
 from gptrain.distributed import runtime as gdist
@@ -57,6 +54,7 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
     of this rank's shards in host memory before it returns (so later optimizer steps cannot reach
     the checkpoint) and writes it from a thread; everything else is captured now, too."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     group = gdist.io_group()
     root = Path(run_dir) / "checkpoints"
@@ -94,6 +92,8 @@ def _publish(step, root, tmp, future, state, rng, meta, tied, info, group):
     write succeeded and that rank 0 sees every file; rank 0 writes state.pt and meta.json and
     renames the folder into place (folder.publish). A failed write is a UserError on every
     rank (the temporary folder is removed; the previous checkpoint stays `latest`)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     error = ""
     try:
         future.result()
@@ -251,7 +251,7 @@ def _load(ckpt_dir, tensors: dict, group, no_dist: bool = False) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
                 tensors,
-                storage_reader=_SafeReader(ckpt_dir),
+                storage_reader=_safe_reader(ckpt_dir),
                 process_group=group,
                 no_dist=no_dist,
             )
@@ -291,15 +291,22 @@ def _read_index(ckpt_dir):
         ) from None
 
 
-class _SafeReader(FileSystemReader):
-    """DCP's FileSystemReader, with the index read by _read_index instead of pickle.load."""
+def _safe_reader(ckpt_dir):
+    """DCP's FileSystemReader, with the index read by _read_index instead of pickle.load (DCP is
+    imported here, not with this module: it costs ~0.7 s, and runs that are not sharded never
+    need it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    def read_metadata(self, *args, **kwargs):
-        metadata = _read_index(self.path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = _read_index(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(ckpt_dir)
 
 
 def _barrier(group) -> None:
