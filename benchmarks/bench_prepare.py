@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_prepare.py [--mb 250 500] [--workers 2] [--data /tmp/corpus]
     .venv/bin/python benchmarks/bench_prepare.py --mb 250 1000 --median-chars 650   # >= 1M docs/GB
+    .venv/bin/python benchmarks/bench_prepare.py --layout-docs 1e6 4e6 8e6   # memory only
 
 For each corpus size (MB of UTF-8 text; documents are slices of tiny shakespeare, log-normal
 lengths with a median of --median-chars characters (default 2,400; 650 makes ~1.05M documents
@@ -15,7 +16,9 @@ documents, as datatrove writes FineWeb's):
   span tables and document indexes);
 - a kill -9 of the whole prepare at ~50% of the parts, then the same command: its time over a
   full prepare's.
-Prints a markdown table.
+Prints a markdown table. --layout-docs N...: only what follows the parts (val split, shuffle,
+span tables, indexes) for N synthetic documents, without tokenizing: the main process's peak
+resident memory per N, in a fresh process each.
 """
 
 from __future__ import annotations
@@ -153,13 +156,48 @@ def run_prepare(out: Path, files, workers: int, kill_at: float | None = None) ->
     return {**result, "peak_rss": peak[0], "written": wchar() - io0, "folder_bytes": stored}
 
 
+LAYOUT = """
+import resource, shutil, sys, tempfile
+from pathlib import Path
+import numpy as np
+from gptrain.data.assemble import Pieces, check_sizes, choose_val, ids, train_order, write_split
+n, per = int(float(sys.argv[1])), 1000
+records = [{"cont": False, "split": 0, "pieces": per, "tokens": 600 * per} for _ in range(n // per)]
+lengths = lambda k: np.random.default_rng(k).integers(20, 1200, size=per)  # ~600 tokens each
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+p = Pieces.from_parts(records, lengths)
+is_val = p.doc_split == 2
+is_val[choose_val(p, ids(p.doc_split == 0), 0.1, None, 1337, 100_000_000)] = True
+orders = {"val": ids(is_val)}
+orders["train"] = train_order(ids(np.logical_not(is_val, out=is_val)), 1337)
+check_sizes(p.tokens(orders["train"]), p.tokens(orders["val"]))
+out = Path(tempfile.mkdtemp())
+for split, docs in orders.items():
+    write_split(out, split, p, docs, 100_000_000)
+shutil.rmtree(out)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+"""
+
+
+def layout_memory(sizes: list[float]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    print("\n| documents | main process peak growth | per document |\n| ---: | ---: | ---: |")
+    for n in sizes:
+        out = subprocess.run([sys.executable, "-c", LAYOUT, str(n)], env=env, capture_output=True, text=True, check=True)  # fmt: skip
+        grew = int(out.stdout.strip().splitlines()[-1])
+        print(f"| {int(n):,} | {grew / 2**20:.0f} MiB | {grew / n:.0f} B |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, nargs="+", default=[250, 500])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--median-chars", type=int, default=2400, help="documents' median length")
     parser.add_argument("--data", default=None, help="where the generated corpora are kept")
+    parser.add_argument("--layout-docs", type=float, nargs="+", help="only the layout's memory")
     args = parser.parse_args()
+    if args.layout_docs:
+        return layout_memory(args.layout_docs)
     import pyarrow.parquet as pq
 
     if GPT2_DIR.is_dir():
