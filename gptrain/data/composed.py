@@ -131,11 +131,6 @@ class Composed:
                 out[x - a : y - a] = self.files.read(int(self.spans[PART][j]), src, y - x)
         return out
 
-    def max(self) -> int:
-        return int(
-            max((self[s : s + (1 << 24)].max() for s in range(0, self.n, 1 << 24)), default=0)
-        )
-
 
 def load_spans(folder, name: str, expected: str | None = None) -> np.ndarray:
     """A span table, memory-mapped; one line naming the file when it is not one."""
