@@ -423,14 +423,12 @@ def test_bad_input_multinode_endpoint(byte_data, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_compiled_ddp_run_saves_plain_keys(byte_data, tmp_path):
+def test_compiled_ddp_run_saves_plain_keys(byte_data, runs, tmp_path):
     """compile, then DDP (2 ranks): the checkpoint holds the plain model's keys, no wrapper
     prefix, and matches the eager DDP run's weights (within compiled-kernel rounding)."""
-    keys = {}
-    for name, extra in (("eager", []), ("compiled", ["--train.compile=true"])):
-        run_dir = tmp_path / name
-        h.check_ok(h.wait_all(h.spawn(gptrain_args(byte_data, run_dir, *extra)), TIMEOUT))
-        keys[name] = load_file(str(checkpoint.find(run_dir) / "model.safetensors"))
+    run_dir = tmp_path / "compiled"  # the same run as `runs`' DDP one, compiled
+    h.check_ok(h.wait_all(h.spawn(gptrain_args(byte_data, run_dir, "--dist.mode=ddp", "--train.compile=true")), TIMEOUT))  # fmt: skip
+    keys = {name: load_file(str(checkpoint.find(d) / "model.safetensors")) for name, d in (("eager", runs["ddp"]), ("compiled", run_dir))}  # fmt: skip
     assert keys["compiled"].keys() == keys["eager"].keys()
     assert not any(
         k.startswith(("module.", "_orig_mod.")) or "._orig_mod." in k for k in keys["compiled"]
