@@ -62,7 +62,7 @@ def make_shards(folder: Path, total: int) -> None:
 
 def make_composed(folder: Path, total: int) -> None:
     """The same token blocks as parts, with documents shuffled into span tables (part 0 is val)."""
-    from gptrain.data.assemble import Pieces, ids, train_order, write_split
+    from gptrain.data.assemble import Pieces, split_orders, write_splits
 
     (folder / "parts").mkdir()
     rng = np.random.default_rng(0)
@@ -81,13 +81,8 @@ def make_composed(folder: Path, total: int) -> None:
         parts.append({"file": name, "tokens": n, "sha256": ""})
         left, i = left - n, i + 1
     p = Pieces.from_parts(records, lambda k: lengths[k])
-    shards, spans = [], {}
-    for split, code in (("train", 1), ("val", 2)):
-        docs = (
-            train_order(ids(p.doc_split == code), 1337) if code == 1 else ids(p.doc_split == code)
-        )
-        entries, spans[split], _ = write_split(folder, split, p, docs, SHARD_TOKENS)
-        shards += entries
+    orders = split_orders(p, 0.1, None, None, 1337, 1337)  # val: part 0, marked; train shuffled
+    shards, spans, _ = write_splits(folder, p, orders, SHARD_TOKENS)
     ident = {"name": "synthetic", "vocab_size": 50257, "eot_id": 50256, "hash": hashlib.sha256(b"synthetic 50257").hexdigest()}  # fmt: skip
     write_manifest(folder, {"tokenizer": ident, "vocab_size": 50257, "eot_id": 50256, "dtype": "uint16", "shards": shards, "parts": parts, "spans": spans})  # fmt: skip
 

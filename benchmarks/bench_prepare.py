@@ -160,20 +160,15 @@ LAYOUT = """
 import resource, shutil, sys, tempfile
 from pathlib import Path
 import numpy as np
-from gptrain.data.assemble import Pieces, check_sizes, choose_val, ids, train_order, write_split
+from gptrain.data.assemble import Pieces, split_orders, write_splits
 n, per = int(float(sys.argv[1])), 1000
 records = [{"cont": False, "split": 0, "pieces": per, "tokens": 600 * per} for _ in range(n // per)]
 lengths = lambda k: np.random.default_rng(k).integers(20, 1200, size=per)  # ~600 tokens each
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 p = Pieces.from_parts(records, lengths)
-is_val = p.doc_split == 2
-is_val[choose_val(p, ids(p.doc_split == 0), 0.1, None, 1337, 100_000_000)] = True
-orders = {"val": ids(is_val)}
-orders["train"] = train_order(ids(np.logical_not(is_val, out=is_val)), 1337)
-check_sizes(p.tokens(orders["train"]), p.tokens(orders["val"]))
+orders = split_orders(p, 0.1, None, 100_000_000, 1337, 1337)  # what prepare does after the parts
 out = Path(tempfile.mkdtemp())
-for split, docs in orders.items():
-    write_split(out, split, p, docs, 100_000_000)
+write_splits(out, p, orders, 100_000_000)
 shutil.rmtree(out)
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
 """

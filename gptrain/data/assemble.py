@@ -162,6 +162,23 @@ def check_sizes(train: int, val: int) -> None:
         )
 
 
+def split_orders(p: Pieces, val_fraction: float, val_tokens: int | None, val_max_tokens: int | None, seed: int, shuffle_seed: int | None) -> dict[str, np.ndarray]:  # fmt: skip
+    """Each split's documents in stream order: val (those marked val, and those choose_val draws
+    from the unmarked ones; input order) and train (the rest, shuffled unless shuffle_seed is
+    None). Refuses an empty split."""
+    is_val = p.doc_split == 2
+    candidates = ids(p.doc_split == 0)
+    if len(candidates):
+        is_val[choose_val(p, candidates, val_fraction, val_tokens, seed, val_max_tokens)] = True
+    del candidates
+    orders = {"val": ids(is_val)}
+    orders = {"train": ids(np.logical_not(is_val, out=is_val)), **orders}
+    del is_val
+    check_sizes(p.tokens(orders["train"]), p.tokens(orders["val"]))
+    orders["train"] = train_order(orders["train"], shuffle_seed)
+    return orders
+
+
 # --- the folder: span tables and document indexes (the tokens stay in the parts) ---------------
 def write_split(folder: Path, split: str, p: Pieces, docs: np.ndarray, shard_tokens: int) -> tuple[list[dict], dict, int]:  # fmt: skip
     """`split`'s span table (int64 (4, pieces): stream position, length, part, start; written
@@ -211,6 +228,17 @@ def write_split(folder: Path, split: str, p: Pieces, docs: np.ndarray, shard_tok
         a, b = s * shard_tokens, min((s + 1) * shard_tokens, total)
         entries.append({"file": f"{split}_{s:06d}", "format": "composed", "split": split, "start": a, "tokens": b - a, "spans": path.name, "index": idx})  # fmt: skip
     return entries, record, total
+
+
+def write_splits(folder: Path, p: Pieces, orders: dict, shard_tokens: int) -> tuple[list[dict], dict, dict]:  # fmt: skip
+    """write_split for every split (train first): (manifest shard entries, span table records,
+    each split's tokens and documents)."""
+    shards, spans, splits = [], {}, {}
+    for split, docs in orders.items():
+        entries, spans[split], total = write_split(folder, split, p, docs, shard_tokens)
+        shards += entries
+        splits[split] = {"tokens": total, "segments": len(docs), "documents": len(docs)}
+    return shards, spans, splits
 
 
 class _Indexes:

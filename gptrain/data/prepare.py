@@ -31,15 +31,7 @@ import numpy as np
 
 from gptrain.cache import cache_dir, sha256_file
 from gptrain.data import encode, llmc, parts
-from gptrain.data.assemble import (
-    VAL_MAX_TOKENS,
-    Pieces,
-    check_sizes,
-    choose_val,
-    ids,
-    train_order,
-    write_split,
-)
+from gptrain.data.assemble import VAL_MAX_TOKENS, Pieces, split_orders, write_splits
 from gptrain.data.convert import import_llmc
 from gptrain.data.encode import tokenize_to_file
 from gptrain.data.parts import plan, single_cut_items
@@ -218,17 +210,7 @@ def prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field
         if want >= n:
             raise UserError(f"val split takes all {n} tokens, leaving none for training; lower --val-fraction or --val-tokens")  # fmt: skip
         pieces = pieces.cut_single(n - want)
-    is_val = pieces.doc_split == 2
-    candidates = ids(pieces.doc_split == 0)
-    if len(candidates):
-        is_val[choose_val(pieces, candidates, val_fraction, val_tokens, seed, val_max_tokens)] = True  # fmt: skip
-    del candidates
-    orders = {"val": ids(is_val)}
-    is_val = np.logical_not(is_val, out=is_val)
-    orders = {"train": ids(is_val), **orders}
-    del is_val
-    check_sizes(pieces.tokens(orders["train"]), pieces.tokens(orders["val"]))
-    orders["train"] = train_order(orders["train"], shuffle_seed)
+    orders = split_orders(pieces, val_fraction, val_tokens, val_max_tokens, seed, shuffle_seed)
     dtype = dtype_for_vocab(tok.vocab_size)
     tmp = workdir / "folder"  # published as --out; made afresh (it holds no tokens of its own)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -238,11 +220,7 @@ def prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field
         name = f"parts/part_{i:06d}.tok"
         link_or_copy(path, tmp / name)
         part_entries.append({"file": name, "tokens": record["tokens"], "sha256": record["sha256"]})
-    shards, spans, splits = [], {}, {}
-    for split, docs in orders.items():
-        entries, spans[split], total = write_split(tmp, split, pieces, docs, shard_tokens)
-        shards += entries
-        splits[split] = {"tokens": total, "segments": len(docs), "documents": len(docs)}
+    shards, spans, splits = write_splits(tmp, pieces, orders, shard_tokens)
     del orders, pieces
     if tok.name == "bpe":  # keep the tokenizer with the data, for sampling elsewhere
         shutil.copyfile(tok.path, tmp / "tokenizer.json")
