@@ -13,7 +13,7 @@ Rows (each a real `gptrain` command, started the way a user starts it):
   2. DDP and FSDP2 on all GPUs of the node: the final loss equals the 1-GPU run's within bf16
      tolerance (the same global batches, see README "Distributed training")
   3. kill and resume: an FSDP2 run killed (SIGKILL) after its first checkpoint and started again
-     ends with the uninterrupted run's loss
+     ends with the weights of row 2's (uninterrupted) FSDP2 run
   4. GPT-2 XL (48 x 1600) under FSDP2 with activation checkpointing: peak memory per GPU and the
      wall time of one sharded checkpoint save
 Rows 1-4 train on this machine's own Python sources (torch's), byte-tokenised by `gptrain prepare`:
@@ -24,6 +24,7 @@ parameters); the architecture is GPT-2's. Row 0 needs no data.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -164,7 +165,8 @@ class Check:
         return (name, f"{r['tok_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%} of a measured {r['peak_tflops']:.3g} TFLOP/s", verdict)  # fmt: skip
 
     def run(self) -> None:
-        steps = 3 if self.dry else 30
+        steps = 4 if self.dry else 30
+        every = max(steps // 6, 1)  # the FSDP2 run's checkpoints (dry: one a step)
         n = self.gpus
         self.rows.append(self.throughput())
         single = {}
@@ -174,27 +176,26 @@ class Check:
             self.rows.append((f"GPT-2 124M, 1 {self.device}, compile {'on' if compile else 'off'}", f"{r['tok_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%}", f"peak {r['peak_mib']:,.0f} MiB"))  # fmt: skip
         ref = single[False]["train_loss"]
         tol = 1e-4 if self.dry else 2e-2
-        for mode in ("ddp", "fsdp"):
-            r = self.train(mode, n, self.overrides(mode, "gpt2", steps, f"dist.mode={mode}"))
+        for mode in ("ddp", "fsdp"):  # the FSDP2 run saves checkpoints: row 3's uninterrupted run
+            saves = [f"checkpoint.every={every}"] if mode == "fsdp" else []
+            r = self.train(mode, n, self.overrides(mode, "gpt2", steps, f"dist.mode={mode}", *saves))  # fmt: skip
             ok = abs(r["train_loss"] - ref) <= tol * abs(ref)
             self.rows.append((f"GPT-2 124M, {mode.upper()} x {n}", f"loss {r['train_loss']:.4f} vs 1 {self.device} {ref:.4f}", "OK" if ok else "MISMATCH"))  # fmt: skip
-        self.rows.append(self.kill_and_resume(n, 4 if self.dry else steps))  # dry: a save a step
+        self.rows.append(self.kill_and_resume(n, steps, every))
         xl = self.train("xl", n, self.overrides("xl", "gpt2-xl", 4 if not self.dry else 2, "dist.mode=fsdp", "train.activation_checkpointing=blocks", "checkpoint.every=1"))  # fmt: skip
         self.rows.append((f"GPT-2 XL, FSDP2 x {n}, activation checkpointing", f"peak {xl['peak_mib']:,.0f} MiB per rank, {xl['tok_per_s']:,.0f} tok/s", f"sharded checkpoint save {min(xl['save_s']):.1f} s"))  # fmt: skip
 
-    def kill_and_resume(self, n: int, steps: int) -> tuple[str, str, str]:
-        """FSDP2 killed after its first checkpoint, started again: its final weights vs an
-        uninterrupted run's (bit for bit on CPU; bf16 GPU kernels may differ in the last bits)."""
+    def kill_and_resume(self, n: int, steps: int, every: int) -> tuple[str, str, str]:
+        """FSDP2 killed after its first checkpoint, started again: its final weights vs the
+        uninterrupted FSDP2 run of row 2 (bit for bit on CPU; bf16 GPU kernels may differ in the
+        last bits)."""
         from gptrain.checkpoint import manager as checkpoint
 
-        every = max(steps // 6, 1)
-        args = ("dist.mode=fsdp", f"checkpoint.every={every}")
-        self.train("resume_full", n, self.overrides("resume_full", "gpt2", steps, *args))
-        cut = self.overrides("resume_cut", "gpt2", steps, *args)
+        cut = self.overrides("resume_cut", "gpt2", steps, "dist.mode=fsdp", f"checkpoint.every={every}")  # fmt: skip
         self.train("resume_cut", n, cut, kill_after_ckpt=True)
         killed_at = checkpoint.latest(self.work / "resume_cut").name
         self.train("resume_cut", n, cut)
-        a = checkpoint.load_model_state(checkpoint.latest(self.work / "resume_full"))[0]
+        a = checkpoint.load_model_state(checkpoint.latest(self.work / "fsdp"))[0]
         b = checkpoint.load_model_state(checkpoint.latest(self.work / "resume_cut"))[0]
         diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
         ok = diff <= (0.0 if self.dry else 1e-2)
@@ -244,4 +245,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # the interpreter's exit then skips torch's objects (as gptrain's entry point)
+    sys.exit(code)

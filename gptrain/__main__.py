@@ -13,6 +13,7 @@ gptrain tokenizer train --input a.txt --vocab-size 4096 --out tok.json
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 
@@ -54,5 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The process's entry point (`gptrain`, `python -m gptrain`, torchrun's workers)."""
+    code = main()
+    # Objects alive now live until the process ends: frozen, the interpreter's exit skips the
+    # cyclic collector's passes over torch's modules (0.55 s less per process, measured)
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
