@@ -10,6 +10,7 @@ Used two ways:
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -266,3 +267,4 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown worker {name}")
     rank = os.environ.get("RANK", "0")
     Path(f"{out_file}.{rank}").write_text(json.dumps(result))
+    gc.freeze()  # a quicker exit, as gptrain's own entry point (gptrain/__main__.py)

@@ -14,6 +14,7 @@ mixed precision) in one process group and records per step the loss averaged ove
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -181,3 +182,4 @@ def main(out_file: str, data_dir: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    gc.freeze()  # a quicker exit, as gptrain's own entry point (gptrain/__main__.py)

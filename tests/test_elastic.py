@@ -88,8 +88,8 @@ while port:
         break
     except OSError:
         time.sleep(0.05)
-from gptrain.__main__ import main
-sys.exit(main(sys.argv[1:]))
+from gptrain.__main__ import entry
+entry()  # main(sys.argv[1:]), exiting as gptrain does
 """
 
 

@@ -106,7 +106,7 @@ def test_goodput_across_a_hung_attempt_and_its_rerun(byte_data, tmp_path):
 RANK_CLOCKS = """
 import os, sys, time
 import gptrain.commands.train as train_command
-from gptrain.__main__ import main
+from gptrain.__main__ import entry
 
 class Clock:
     def __init__(self, step):
@@ -118,7 +118,7 @@ class Clock:
         return getattr(time, name)
 
 train_command.time = Clock(1.0 if os.environ["RANK"] == "1" else 0.0)
-sys.exit(main(sys.argv[1:]))
+entry()  # main(sys.argv[1:]), exiting as gptrain does
 """
 
 
