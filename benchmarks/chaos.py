@@ -118,13 +118,21 @@ def drill(events: int, seed: int, data: Path, workdir: Path, echo=print) -> bool
 
     rng = random.Random(seed)
     ref, run_dir = workdir / "ref", workdir / "drill"
-    code = subprocess.run(command(data, ref), env=env(), capture_output=True).returncode
+    # the uninterrupted run trains alongside the first attempts (on their hang budgets' idle time)
+    uninterrupted = subprocess.Popen(command(data, ref), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        plan = [rng.choice(KINDS) for _ in range(events)]
+        for event in [*plan, None]:
+            echo(attempt(data, run_dir, event, rng))
+        while resume_step(run_dir) < STEPS:  # an event at the very end may leave steps to do
+            echo(attempt(data, run_dir, None, rng))
+        code = uninterrupted.wait(timeout=600)
+    finally:
+        if uninterrupted.poll() is None:
+            for pid in workers(uninterrupted.pid):
+                os.kill(pid, signal.SIGKILL)
+            uninterrupted.kill()
     assert code == 0, f"the uninterrupted run failed (exit {code})"
-    plan = [rng.choice(KINDS) for _ in range(events)]
-    for event in [*plan, None]:
-        echo(attempt(data, run_dir, event, rng))
-    while resume_step(run_dir) < STEPS:  # an event at the very end may leave steps to do
-        echo(attempt(data, run_dir, None, rng))
     a = checkpoint.load_model_state(checkpoint.find(ref))[0]
     b = checkpoint.load_model_state(checkpoint.find(run_dir))[0]
     for k in a:
