@@ -103,6 +103,8 @@ def test_errors_name_the_key(tmp_path, text, overrides, needle):
         (LogConfig, {"every": 0}, "log.every"),
         (DistConfig, {"nnodes": "2:1"}, "dist.nnodes"),
         (DistConfig, {"nnodes": 2}, "dist.rdzv_endpoint"),
+        (DistConfig, {"rdzv_conf": "last_call=5"}, "dist.rdzv_conf"),
+        (DistConfig, {"rdzv_conf": "join_timeout=0"}, "dist.rdzv_conf"),
         (RunConfig, {"max_failed_attempts": -1}, "run.max_failed_attempts"),
     ],
 )

@@ -47,6 +47,19 @@ def test_bad_node_ranges_are_one_line_exit_2(tmp_path, capsys, nodes, needle):
     assert not run_dir.exists()
 
 
+def test_bad_rdzv_conf_is_one_line_exit_2(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    argv = ["train", "--config", DEBUG, f"--run.dir={run_dir}", "--dist.nnodes=1:2"]
+    argv += [
+        "--dist.rdzv_endpoint=127.0.0.1:29555",
+        "--dist.rdzv_conf=last_call_timeout=5,keepalive=2",
+    ]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dist.rdzv_conf" in err[0] and "'keepalive=2'" in err[0], err
+    assert not run_dir.exists()
+
+
 def lose_node(agent: subprocess.Popen) -> None:
     """SIGKILL an agent and its workers at once, as when the machine goes away."""
     workers = children(agent.pid)
@@ -70,17 +83,15 @@ def wait_for(predicate, procs, timeout: float) -> None:
     raise AssertionError("timed out waiting (or an agent ended)")
 
 
-# Each agent is gptrain's own launcher (gptrain.distributed.launch) with torchrun's --rdzv_conf
-# added: a node's heartbeat is stale after 2 x 3 s (torch's default 5 x 3 s), and once the minimum
-# node count has joined, the rendezvous waits 5 s for more before it closes (torch's default 30 s),
-# so the survivor of a lost node re-forms after about 11 s, not 45 s. The second agent must join
-# within those 5 s of the first: it imports first, then waits for the first agent's store.
+# Each agent is gptrain's own launcher (gptrain.distributed.launch) with dist.rdzv_conf (torchrun's
+# --rdzv_conf): a node's heartbeat is stale after 2 x 3 s (torch's default 5 x 3 s), and once the
+# minimum node count has joined, the rendezvous waits 5 s for more before it closes (torch's
+# default 30 s), so the survivor of a lost node re-forms after about 11 s, not 45 s. The second
+# agent must join within those 5 s of the first: it imports first, then waits for the first
+# agent's store.
 RDZV_CONF = "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3"
-AGENT = f"""import os, socket, sys, time
+AGENT = """import os, socket, time
 import gptrain.commands.train
-from torch.distributed import run
-launch = run.main
-run.main = lambda args: launch(["--rdzv_conf={RDZV_CONF}", *args])
 port = int(os.environ.get("WAIT_FOR_PORT", 0))
 while port:
     try:
@@ -104,6 +115,7 @@ def test_two_loopback_agents_lose_a_node_and_get_it_back(byte_data, tmp_path):
     cmd = [sys.executable, "-c", AGENT, "train", "--config", DEBUG, f"--data.dir={byte_data}"]
     cmd += [f"--run.dir={run_dir}", *(f"--{c}" for c in common), "--dist.nnodes=1:2"]
     cmd += ["--dist.nproc_per_node=1", f"--dist.rdzv_endpoint=127.0.0.1:{port}"]
+    cmd += [f"--dist.rdzv_conf={RDZV_CONF}"]
 
     logs = []
 
@@ -118,8 +130,11 @@ def test_two_loopback_agents_lose_a_node_and_get_it_back(byte_data, tmp_path):
         wait_for(lambda: any("checkpoint" in x and "step_00000015" in x for x in log_lines(run_dir)), [a, b], 180)  # fmt: skip
         assert "world size 2" in log_lines(run_dir)[0]
         lose_node(b)
+        lost = time.time()
         resumed = lambda: [x for x in log_lines(run_dir) if x.startswith("resumed from")]  # noqa: E731
         wait_for(lambda: len(resumed()) == 1, [a], 180)  # re-formed (stale heartbeat, last call)
+        # torch's defaults (a 15 s stale heartbeat, then a 30 s last call) took 44 s here
+        assert time.time() - lost < 30, "dist.rdzv_conf did not reach the agents"
         assert "world size 1, micro-batch 4, accumulation 4" in resumed()[0]
         # the node comes back: the job saves, re-forms at 2 and goes on from there
         b = agent(WAIT_FOR_PORT=port)

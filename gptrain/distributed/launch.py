@@ -116,6 +116,8 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
             "--rdzv_backend=c10d",
         ]
         args += [f"--rdzv_endpoint={cfg.rdzv_endpoint}", f"--rdzv_id={cfg.rdzv_id}"]
+        if cfg.rdzv_conf:
+            args += [f"--rdzv_conf={cfg.rdzv_conf.replace(' ', '')}"]
         if low < high:  # elastic: survivors re-form (a restart of the worker group each time)
             args += [f"--max-restarts={ELASTIC_RESTARTS}"]
             # a node that joins a running job waits forever for the round's MASTER_ADDR when the
