@@ -24,7 +24,6 @@ parameters); the architecture is GPT-2's. Row 0 needs no data.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -245,6 +244,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    gc.freeze()  # the interpreter's exit then skips torch's objects (as gptrain's entry point)
-    sys.exit(code)
+    from gptrain.__main__ import exit_quickly
+
+    exit_quickly(main())

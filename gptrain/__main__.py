@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import importlib
 import sys
+from typing import NoReturn
 
 from gptrain.errors import UserError
 
@@ -55,13 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def entry() -> None:
-    """The process's entry point (`gptrain`, `python -m gptrain`, torchrun's workers)."""
-    code = main()
-    # Objects alive now live until the process ends: frozen, the interpreter's exit skips the
-    # cyclic collector's passes over torch's modules (0.55 s less per process, measured)
+def exit_quickly(code: int) -> NoReturn:
+    """End the process with `code`. Objects alive now live until the process ends: frozen, the
+    interpreter's exit skips the cyclic collector's passes over torch's modules (0.55 s less per
+    process, measured). Also used by the worker scripts of benchmarks/ and tests/."""
     gc.freeze()
     sys.exit(code)
+
+
+def entry() -> NoReturn:
+    """The process's entry point (`gptrain`, `python -m gptrain`, torchrun's workers)."""
+    exit_quickly(main())
 
 
 if __name__ == "__main__":

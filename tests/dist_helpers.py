@@ -10,7 +10,6 @@ Used two ways:
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import socket
@@ -267,4 +266,6 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown worker {name}")
     rank = os.environ.get("RANK", "0")
     Path(f"{out_file}.{rank}").write_text(json.dumps(result))
-    gc.freeze()  # a quicker exit, as gptrain's own entry point (gptrain/__main__.py)
+    from gptrain.__main__ import exit_quickly
+
+    exit_quickly(0)

@@ -14,7 +14,6 @@ mixed precision) in one process group and records per step the loss averaged ove
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -182,4 +181,6 @@ def main(out_file: str, data_dir: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    gc.freeze()  # a quicker exit, as gptrain's own entry point (gptrain/__main__.py)
+    from gptrain.__main__ import exit_quickly
+
+    exit_quickly(0)
