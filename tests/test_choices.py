@@ -15,6 +15,7 @@ import torch
 from gptrain.__main__ import main as cli
 from gptrain.errors import UserError
 from gptrain.training.choices import MARGIN, Shapes, decide
+from gptrain.training.timing import CACHE_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
@@ -95,7 +96,8 @@ def test_a_cache_hit_does_no_timing(tmp_path):
     assert other.calls == ["block/float32/sdpa", "block/float32/matmul", "block/bfloat16/sdpa", "block/bfloat16/matmul"]  # fmt: skip
 
 
-@pytest.mark.parametrize("damage", ["{not json", '{"version": 0, "entries": {}}', "[1, 2]"])
+# an older version's file holds timings of kernels since changed: measured again, like damage
+@pytest.mark.parametrize("damage", ["{not json", json.dumps({"version": CACHE_VERSION - 1, "entries": {}}), "[1, 2]"])  # fmt: skip
 def test_a_damaged_cache_file_is_ignored_with_a_warning(tmp_path, damage):
     path = tmp_path / "speed_choices.json"
     path.write_text(damage)
@@ -103,7 +105,7 @@ def test_a_damaged_cache_file_is_ignored_with_a_warning(tmp_path, damage):
     c = decide("cpu", TINY, "auto", "auto", None, timer=timer, cache_path=path)
     assert (c.dtype, c.attention) == ("float32", "matmul") and len(timer.calls) == 2 + 4
     assert len(c.warnings) == 1 and "ignoring the damaged speed-choice cache" in c.warnings[0]
-    assert json.loads(path.read_text())["version"] == 1  # rewritten whole
+    assert json.loads(path.read_text())["version"] == CACHE_VERSION  # rewritten whole
     assert not decide("cpu", TINY, "auto", "auto", None, timer=None, cache_path=path).warnings
 
 

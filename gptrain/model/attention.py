@@ -12,7 +12,7 @@ from torch import Tensor
 
 
 def matmul_attention(
-    q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, block: int = 128
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, block: int = 64
 ) -> Tensor:
     """Causal attention as explicit matmuls: the same function as
     scaled_dot_product_attention(is_causal=True), the result in v's dtype. Queries go in blocks
@@ -32,9 +32,17 @@ def matmul_attention(
     return _CausalAttention.apply(q, k, v, dropout_p, block)
 
 
+def _blocks(T: int, block: int) -> list[tuple[int, int]]:
+    """The query blocks (start, end): rows start..end-1 see keys 0..end-1."""
+    return [(s, min(s + block, T)) for s in range(0, T, block)]
+
+
 class _CausalAttention(torch.autograd.Function):
     """matmul_attention's computation, on (B * nh, T, hs) contiguous copies: q, k, v arrive as
-    strided views of c_attn's output, and every matmul on such a view would copy it again."""
+    strided views of c_attn's output, and every matmul on such a view would copy it again. The
+    output and the input gradients are written straight into the (B, T, nh, hs) layout that
+    c_proj reads and c_attn's gradient has (returned as (B, nh, T, hs) views of it), so the
+    model's transpose + reshape on either side copies nothing."""
 
     @staticmethod
     def forward(ctx, q, k, v, dropout_p: float, block: int):
@@ -42,16 +50,17 @@ class _CausalAttention(torch.autograd.Function):
         dtype, scale = v.dtype, 1.0 / math.sqrt(hs)
         acc = torch.promote_types(dtype, torch.float32)  # float32 (float64 stays float64)
         q, k, v = (t.contiguous().view(B * nh, T, hs) for t in (q, k, v))  # (B*nh, T, hs)
-        outs, saved = [], []
+        o = torch.empty(B, T, nh, hs, dtype=dtype, device=q.device)  # c_proj's layout
+        saved = []
         with torch.autocast(q.device.type, enabled=False):  # the dtypes below are deliberate
-            q_acc = q.to(acc) * scale  # the scale folded into q
+            q_acc = q.to(acc, copy=True).mul_(scale)  # the scale folded into q
             k_acc = k.to(acc).transpose(1, 2)  # (B*nh, hs, T)
-            for start in range(0, T, block):
-                end = min(start + block, T)  # rows start..end-1 see keys 0..end-1
-                mask = torch.full((end - start, end), float("-inf"), dtype=acc, device=q.device)
-                s = torch.baddbmm(
-                    mask.triu_(start + 1), q_acc[:, start:end], k_acc[..., :end]
-                )  # + q k^T
+            # -inf above the diagonal: added to each block's diagonal square only
+            future = torch.full((block, block), float("-inf"), dtype=acc, device=q.device).triu_(1)
+            for start, end in _blocks(T, block):
+                n = end - start
+                s = torch.bmm(q_acc[:, start:end], k_acc[..., :end])  # (B*nh, n, end)
+                s[..., start:].add_(future[:n, :n])
                 p = s.softmax(dim=-1)  # (B*nh, n, end) in acc
                 if dropout_p:
                     keep = torch.rand_like(p) >= dropout_p  # (B*nh, n, end) bool
@@ -60,36 +69,44 @@ class _CausalAttention(torch.autograd.Function):
                 else:
                     pd = p.to(dtype)
                     saved += [p, pd]  # P in acc, and as multiplied with V
-                outs.append(torch.bmm(pd, v[:, :end]))  # (B*nh, n, hs)
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # (B*nh, T, hs)
+                pv = torch.bmm(pd, v[:, :end])  # (B*nh, n, hs)
+                o[:, start:end] = pv.view(B, nh, n, hs).transpose(1, 2)
         ctx.save_for_backward(q, k, v, *saved)
         ctx.dropout_p, ctx.block, ctx.scale, ctx.shape = dropout_p, block, scale, (B, nh, T, hs)
-        return o.view(B, nh, T, hs)
+        return o.transpose(1, 2)  # (B, nh, T, hs)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, *saved = ctx.saved_tensors  # (B*nh, T, hs) each
-        drop, dtype, shape, T = ctx.dropout_p, v.dtype, ctx.shape, q.size(1)
+        drop, dtype, (B, nh, T, hs), scale = ctx.dropout_p, v.dtype, ctx.shape, ctx.scale
         per = 3 if drop else 2  # saved tensors per query block
         acc = torch.promote_types(dtype, torch.float32)
         do = do.to(dtype).contiguous().view(q.shape)  # (B*nh, T, hs)
-        dq = torch.empty_like(q)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # summed over query blocks
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        grads = torch.empty(3, B, T, nh, hs, dtype=dtype, device=q.device)  # dq, dk, dv
+        dk = dv = None  # (B*nh, T, hs), from the last block (which sees every key) down
         with torch.autocast(q.device.type, enabled=False):
             do_acc = do.to(acc)
             v_acc_t = v.to(acc).transpose(1, 2)  # (B*nh, hs, T)
-            for i, start in enumerate(range(0, T, ctx.block)):
-                end = min(start + ctx.block, T)
+            for i, (start, end) in reversed(list(enumerate(_blocks(T, ctx.block)))):
+                n = end - start
                 p, pd = saved[per * i], saved[per * i + 1]  # (B*nh, n, end)
-                dv[:, :end] += torch.bmm(pd.transpose(1, 2), do[:, start:end])
+                # dV and dK sum over the query blocks inside the matmuls (accumulating in float32
+                # there, one rounding per block)
+                if dv is None:
+                    dv = torch.bmm(pd.transpose(1, 2), do[:, start:end])
+                else:
+                    dv[:, :end].baddbmm_(pd.transpose(1, 2), do[:, start:end])
                 dp = torch.bmm(do_acc[:, start:end], v_acc_t[..., :end])  # (B*nh, n, end)
                 # softmax backward, in acc: dS = P * dP - P * rowsum(P * dP), where dropout
                 # multiplies dP by its mask and 1 / (1 - dropout_p)
                 ds = dp.mul_(p * saved[per * i + 2] / (1.0 - drop) if drop else p)
                 ds = ds.addcmul_(p, ds.sum(-1, keepdim=True), value=-1).to(dtype)
-                dq[:, start:end] = torch.bmm(ds, k[:, :end])
-                dk[:, :end] += torch.bmm(ds.transpose(1, 2), q[:, start:end])
-        scale = ctx.scale  # S = scale * q k^T
-        grads = (dq.mul_(scale), (dk * scale).to(dtype), dv.to(dtype))
-        return (*(g.view(shape) for g in grads), None, None)
+                dq = torch.bmm(ds, k[:, :end]).mul_(scale)  # S = scale * q k^T
+                grads[0, :, start:end] = dq.view(B, nh, n, hs).transpose(1, 2)
+                if dk is None:
+                    dk = torch.bmm(ds.transpose(1, 2), q[:, start:end])
+                else:
+                    dk[:, :end].baddbmm_(ds.transpose(1, 2), q[:, start:end])
+        grads[1].transpose(1, 2).copy_(dk.mul_(scale).view(B, nh, T, hs))
+        grads[2].transpose(1, 2).copy_(dv.view(B, nh, T, hs))
+        return (*(g.transpose(1, 2) for g in grads), None, None)  # (B, nh, T, hs) views

@@ -41,7 +41,9 @@ CROWDED = 0.5  # cores other processes may take from this one's threads while it
 # gelu, bias, muon matrix shapes, ns_steps)
 
 
-CACHE_VERSION = 1
+# Raised when a timed kernel changes, so that timings of the old one are measured again
+# (2: matmul attention writes c_proj's layout and sums dK, dV inside its matmuls).
+CACHE_VERSION = 2
 
 
 NAMES = {  # every candidate name a cache entry of each kind may hold
