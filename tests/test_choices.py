@@ -37,6 +37,11 @@ class FakeTimer:
         return self.times.get(label, 1.0)
 
 
+def twice(labels: list) -> list:
+    """The timer's calls for candidates timed in two rounds: in order, then in reverse."""
+    return labels + labels[::-1]
+
+
 def native(**block_and_muon):  # bf16 at 0.4x float32's matmul time
     return FakeTimer(bf16_probe__float32=1.0, bf16_probe__bfloat16=0.4, **block_and_muon)
 
@@ -66,20 +71,42 @@ def test_the_choice_follows_the_fake_timer(tmp_path):
     assert (c.dtype, c.attention) == ("bfloat16", "matmul")
 
 
+class BurstyTimer(FakeTimer):
+    """A FakeTimer under a burst of load from elsewhere: its call number `burst` takes 3x."""
+
+    def __init__(self, burst: int, **times):
+        super().__init__(**times)
+        self.burst = burst
+
+    def __call__(self, label, fn, rival):
+        return super().__call__(label, fn, rival) * (3.0 if len(self.calls) == self.burst else 1.0)
+
+
+def test_a_burst_of_load_during_one_timing_does_not_decide():
+    """The block candidates are timed twice, in order and in reverse, each keeping its better
+    timing: a burst that slows the faster candidate's first timing (the matmul kernel's, 20%
+    faster) would have picked sdpa with one round."""
+    times = dict(bf16_probe__float32=1.0, bf16_probe__bfloat16=25.0, block__float32__matmul=0.8)
+    bursty = BurstyTimer(burst=4, **times)  # the probe's 2 calls, sdpa's, then matmul's first
+    c = decide("cpu", TINY, "auto", "auto", None, timer=bursty, cache_path=None)
+    assert bursty.calls[2:] == twice(["block/float32/sdpa", "block/float32/matmul"])
+    assert c.attention == "matmul" and c.block_ms == {"float32/sdpa": 1000.0, "float32/matmul": 800.0}  # fmt: skip
+
+
 def test_emulated_bf16_is_never_timed(tmp_path):
     emulated = FakeTimer(bf16_probe__float32=1.0, bf16_probe__bfloat16=25.0, block__float32__matmul=0.5)  # fmt: skip
     c = decide("cpu", TINY, "auto", "auto", "auto", timer=emulated, cache_path=None)
     assert (c.dtype, c.attention, c.muon_dtype) == ("float32", "matmul", "float32")
     assert c.bf16_ratio == 25.0 and c.how["dtype"] == c.how["muon_dtype"] == "measured: bf16 emulated"  # fmt: skip
     timed = [label for label in emulated.calls if not label.startswith("bf16-probe")]
-    assert timed == ["block/float32/sdpa", "block/float32/matmul"]  # no bf16 block, no Muon timing
+    assert timed == twice(["block/float32/sdpa", "block/float32/matmul"])  # no bf16, no Muon timing
 
 
 def test_a_cache_hit_does_no_timing(tmp_path):
     path = tmp_path / "speed_choices.json"
     first = native(block__bfloat16__sdpa=0.3, muon__bfloat16=0.2)
     a = decide("cpu", TINY, "auto", "auto", "auto", timer=first, cache_path=path)
-    assert len(first.calls) == 2 + 4 + 2 and path.is_file()
+    assert len(first.calls) == 2 + 2 * 4 + 2 * 2 and path.is_file()
 
     def no_timing(label, fn, rival):
         raise AssertionError(f"timed {label} despite the cache")
@@ -93,7 +120,7 @@ def test_a_cache_hit_does_no_timing(tmp_path):
     # other shapes are another key: timed again (only the block; the probe is the machine's)
     other = native()
     decide("cpu", Shapes(4, 8, 1, 16, 2), "auto", "auto", None, timer=other, cache_path=path)
-    assert other.calls == ["block/float32/sdpa", "block/float32/matmul", "block/bfloat16/sdpa", "block/bfloat16/matmul"]  # fmt: skip
+    assert other.calls == twice(["block/float32/sdpa", "block/float32/matmul", "block/bfloat16/sdpa", "block/bfloat16/matmul"])  # fmt: skip
 
 
 # an older version's file holds timings of kernels since changed: measured again, like damage
@@ -103,7 +130,7 @@ def test_a_damaged_cache_file_is_ignored_with_a_warning(tmp_path, damage):
     path.write_text(damage)
     timer = native(block__float32__matmul=0.5)
     c = decide("cpu", TINY, "auto", "auto", None, timer=timer, cache_path=path)
-    assert (c.dtype, c.attention) == ("float32", "matmul") and len(timer.calls) == 2 + 4
+    assert (c.dtype, c.attention) == ("float32", "matmul") and len(timer.calls) == 2 + 2 * 4
     assert len(c.warnings) == 1 and "ignoring the damaged speed-choice cache" in c.warnings[0]
     assert json.loads(path.read_text())["version"] == CACHE_VERSION  # rewritten whole
     assert not decide("cpu", TINY, "auto", "auto", None, timer=None, cache_path=path).warnings
@@ -119,7 +146,7 @@ def test_a_damaged_entry_is_ignored_with_a_warning_and_timed_again(tmp_path):
     timer = native(block__bfloat16__sdpa=0.1)
     c = decide("cpu", TINY, "auto", "auto", None, timer=timer, cache_path=path)
     assert len(c.warnings) == 1 and "stale or damaged entry" in c.warnings[0] and key in c.warnings[0]  # fmt: skip
-    assert [x for x in timer.calls if x.startswith("block/")] == ["block/float32/sdpa", "block/float32/matmul", "block/bfloat16/sdpa", "block/bfloat16/matmul"]  # fmt: skip
+    assert [x for x in timer.calls if x.startswith("block/")] == twice(["block/float32/sdpa", "block/float32/matmul", "block/bfloat16/sdpa", "block/bfloat16/matmul"])  # fmt: skip
     assert (c.dtype, c.attention) == ("bfloat16", "sdpa")
 
 
@@ -135,7 +162,7 @@ def test_explicit_values_win_without_timing():
     # one key explicit, the others timed: only the candidates the config leaves open
     timer = native(block__float32__matmul=0.1)
     c = decide("cpu", TINY, "float32", "auto", "float32", timer=timer, cache_path=None)
-    assert timer.calls == ["block/float32/sdpa", "block/float32/matmul"] and c.attention == "matmul"  # fmt: skip
+    assert timer.calls == twice(["block/float32/sdpa", "block/float32/matmul"]) and c.attention == "matmul"  # fmt: skip
 
 
 def test_muon_bfloat16_is_refused_where_bf16_is_emulated():

@@ -169,7 +169,7 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
         n = s.micro_batch if cuda else max(1, min(s.micro_batch, int(BLOCK_FLOPS / slow / block_flops(s))))  # fmt: skip
         shape = [n, s.seq_len, s.n_embd, s.n_head, s.gelu, s.bias]
         makes = {c: partial(block_run, device, s, n, c) for c in combos}
-        times = measure("block", shape, makes)
+        times = measure("block", shape, makes, rounds=2)
         out.block_ms, out.block_tokens = {c: t * 1e3 for c, t in times.items()}, (n, s.seq_len)
         out.dtype, out.attention = _pick(times, combos).split("/")
     else:
@@ -182,7 +182,7 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
         options = ["float32"] + ["bfloat16"] * native
         if len(options) > 1 and s.muon:
             makes = {d: partial(newton_schulz_run, device, s, d) for d in options}
-            times = measure("muon", [list(m) for m in s.muon] + [s.ns_steps], makes)
+            times = measure("muon", [list(m) for m in s.muon] + [s.ns_steps], makes, rounds=2)
             out.muon_ms = {d: t * 1e3 for d, t in times.items()}
             out.muon_dtype = _pick(times, options)
         else:
