@@ -120,6 +120,13 @@ def test_each_section_checks_its_own_values(section, bad, needle):
         load_config(None, [f"{name}.{key}={value}"])
 
 
+def test_model_bias_false_is_refused_with_pretrained_weights():
+    """GPT-2's weights have biases: a model without them could not load them."""
+    with pytest.raises(UserError, match=r"model\.bias = false") as e:
+        load_config(None, ["model.init_from=/some/gpt2", "model.bias=false"])
+    assert "\n" not in str(e.value) and "--model.bias=false" in str(e.value)
+
+
 def test_cross_section_checks_belong_to_config():
     """A value that is wrong only together with another section's passes its own section's check
     and is refused by Config.check() with both keys named."""

@@ -502,18 +502,27 @@ def test_attention_auto_takes_the_measured_kernel_and_an_explicit_one_wins():
     assert attention_kernel("matmul", "sdpa") == "matmul"
 
 
-def test_resume_with_another_gelu_is_refused(byte_data, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "first, now, fix",
+    [("model.gelu=erf", "model.gelu = 'tanh'", "--model.gelu=erf"), ("model.bias=false", "model.bias = True", "--model.bias=false")],
+)  # fmt: skip
+def test_resume_with_another_gelu_or_bias_is_refused(byte_data, tmp_path, capsys, first, now, fix):
     """No parameter shape changes with model.gelu: without this check a resume would go on
-    silently with another function. One line, exit 2, the run directory untouched."""
+    silently with another function; with model.bias the tensors would not match. One line, exit
+    2, the run directory untouched. The bias-free run's checkpoint has no bias tensors."""
     run_dir = tmp_path / "run"
     common = ["train.max_steps=2", "optim.warmup_steps=1", "eval.every=0", "eval.sample_every=0"]
     common += ["checkpoint.every=2"]
-    run(byte_data, run_dir, *common, "model.gelu=erf")
+    run(byte_data, run_dir, *common, first)
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    if first == "model.bias=false":
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        keys = load_file(run_dir / "checkpoints" / latest / "model.safetensors").keys()
+        assert keys and not [k for k in keys if k.endswith(".bias")]
     args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
     args += [f"--{o}" for o in common] + ["--train.max_steps=4", "--log.progress=false"]
     capsys.readouterr()
     assert cli(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "model.gelu = 'tanh'" in err[0] and "--model.gelu=erf" in err[0]
+    assert len(err) == 1 and now in err[0] and fix in err[0]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before

@@ -52,6 +52,10 @@ class ModelConfig:
         "the MLP's GELU: tanh (GPT-2's approximation; Hugging Face gelu_new) or erf (exact, as nanoGPT; Hugging Face gelu; in bf16 on CPUs ~2.7x faster)",
         ("tanh", "erf"),
     )
+    bias: bool = opt(
+        True,
+        "biases in the Linear and LayerNorm layers: true as GPT-2, false as nanoGPT's train.py (a model without them has no Hugging Face export)",
+    )
     block_size: int = opt(0, "maximum context length; 0 means train.seq_len")
     init_from: str = opt(
         "",
@@ -63,6 +67,10 @@ class ModelConfig:
         check(
             not (self.init_from and self.preset),
             f"model.init_from = {self.init_from!r} and model.preset = {self.preset!r}: the weights' config.json sets the architecture; leave model.preset empty",
+        )
+        check(
+            self.bias or not self.init_from,
+            f"model.init_from = {self.init_from!r} loads GPT-2 weights, which have biases, but model.bias = false; drop --model.bias=false",
         )
         if not self.preset:
             for key in ("n_layer", "n_head", "n_embd"):

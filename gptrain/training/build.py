@@ -82,9 +82,24 @@ def _random(cfg: Config, vocab_size: int, saved_arch: dict | None):
             block_size=m.block_size or cfg.train.seq_len,
             dropout=m.dropout,
             gelu=m.gelu,
+            bias=m.bias,
             **arch,
         )
     )
+
+
+def check_saved_arch(config, saved_arch: dict | None) -> None:
+    """A UserError where the checkpoint being resumed has another GELU (no tensor shape would catch
+    it) or another bias setting (its tensors would not load) than the config asks for."""
+    if saved_arch is None:
+        return
+    for key, before in (("gelu", "tanh"), ("bias", True)):  # checkpoints from before the key
+        saved, now = saved_arch.get(key, before), getattr(config, key)
+        if saved != now:
+            value = str(saved).lower() if isinstance(saved, bool) else saved
+            raise UserError(
+                f"model.{key} = {now!r} but the checkpoint being resumed was trained with {saved!r}; set --model.{key}={value} or use a new run.dir"
+            )
 
 
 class Built(tuple):
@@ -114,11 +129,7 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     # pretrained weights (not resuming) are loaded whole on every rank, then sharded
     on_meta = fsdp and not (cfg.model.init_from and saved_arch is None)
     model = build_model(cfg, vocab_size, saved_arch, meta=on_meta)
-    saved_gelu = (saved_arch or {}).get("gelu", "tanh")  # checkpoints before model.gelu: tanh
-    if saved_arch is not None and saved_gelu != model.config.gelu:  # no shape would catch it
-        raise UserError(
-            f"model.gelu = {model.config.gelu!r} but the checkpoint being resumed was trained with {saved_gelu!r}; set --model.gelu={saved_gelu} or use a new run.dir"
-        )
+    check_saved_arch(model.config, saved_arch)
     if not on_meta:
         model = model.to(info.device)
     choices = for_run(cfg, info, model, dtype, fsdp, saved_choices)  # timed once per machine
