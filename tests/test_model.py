@@ -343,6 +343,21 @@ def test_matmul_attention_equals_sdpa(T):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_matmul_attention_hands_over_the_layout_c_proj_reads_and_c_attn_gets():
+    """The output and the q, k, v gradients are (B, nh, T, hs) views of (B, T, nh, hs) memory:
+    the model's transpose + reshape into c_proj, and autograd's back into c_attn's gradient, copy
+    nothing. Uneven blocks (T = 10, block 4) and bf16 as under autocast."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 4, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    y = matmul_attention(q, k, v, block=4)
+    assert y.shape == (2, 3, 10, 4) and y.transpose(1, 2).is_contiguous()
+    grads = torch.autograd.grad((y.float() * y.float()).sum(), (q, k, v))
+    assert all(d.shape == q.shape and d.transpose(1, 2).is_contiguous() for d in grads)
+    with sdpa_kernel(SDPBackend.MATH):  # the same values as SDPA's, in bf16's rounding
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_matmul_attention_gradients_pass_gradcheck_with_and_without_dropout():
     """float64 finite differences against the hand-written backward, including dropout (the same
     mask in every evaluation: the seed is fixed inside) and more than one query block."""
