@@ -47,15 +47,8 @@ class ModelConfig:
     n_head: int = opt(4, "attention heads per block (ignored when preset is set)")
     n_embd: int = opt(256, "model width; must be divisible by n_head (ignored when preset is set)")
     dropout: float = opt(0.0, "dropout probability in [0, 1)")
-    gelu: str = opt(
-        "tanh",
-        "the MLP's GELU: tanh (GPT-2's approximation; Hugging Face gelu_new) or erf (exact, as nanoGPT; Hugging Face gelu; in bf16 on CPUs ~2.7x faster)",
-        ("tanh", "erf"),
-    )
-    bias: bool = opt(
-        True,
-        "biases in the Linear and LayerNorm layers: true as GPT-2, false as nanoGPT's train.py (a model without them has no Hugging Face export)",
-    )
+    gelu: str = opt("tanh", "the MLP's GELU: tanh (GPT-2's approximation; Hugging Face gelu_new) or erf (exact, as nanoGPT; Hugging Face gelu; in bf16 on CPUs ~2.7x faster)", ("tanh", "erf"))  # fmt: skip
+    bias: bool = opt(True, "biases in the Linear and LayerNorm layers: true as GPT-2, false as nanoGPT's train.py (a model without them has no Hugging Face export)")  # fmt: skip
     block_size: int = opt(0, "maximum context length; 0 means train.seq_len")
     init_from: str = opt(
         "",
@@ -68,10 +61,7 @@ class ModelConfig:
             not (self.init_from and self.preset),
             f"model.init_from = {self.init_from!r} and model.preset = {self.preset!r}: the weights' config.json sets the architecture; leave model.preset empty",
         )
-        check(
-            self.bias or not self.init_from,
-            f"model.init_from = {self.init_from!r} loads GPT-2 weights, which have biases, but model.bias = false; drop --model.bias=false",
-        )
+        check(self.bias or not self.init_from, f"model.init_from = {self.init_from!r} loads GPT-2 weights, which have biases, but model.bias = false; drop --model.bias=false")  # fmt: skip
         if not self.preset:
             for key in ("n_layer", "n_head", "n_embd"):
                 check(getattr(self, key) >= 1, f"model.{key} = {getattr(self, key)} must be >= 1")
