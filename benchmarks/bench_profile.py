@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_profile.py --nanogpt /path/to/nanoGPT
     PYTHONPATH=. python benchmarks/bench_profile.py --nanogpt DIR --dtype float32   # one dtype
+    PYTHONPATH=. python benchmarks/bench_profile.py --nanogpt DIR --ablate 8        # unprofiled
 
 Both sides take the bench shapes of benchmarks/bench_nanogpt.py (4 layers, 4 heads, width 256,
 16 x 256 tokens, dropout 0, one micro-step): gptrain's step is `train_step` of the model
@@ -10,11 +11,18 @@ nanoGPT's is its model.py's GPT (its train.py defaults: no biases, 65 characters
 backward, clipping and its own AdamW (float32: its autocast is a no-op on the CPU). torch's
 profiler sorts every op's own time into the groups below, per step; the matmul rows also give
 the FLOP/s they reach, against the peak `gptrain bench` measures for that dtype.
+
+The profiler's own cost inflates each op's time (the sum of the groups exceeds the unprofiled
+step). `--ablate` measures without it: the step is timed whole and with one part replaced by
+(almost) nothing (GELU and LayerNorm by the identity, attention by y = v with dq = dk = dv = dy),
+the variants alternating step by step; what a part costs is the whole step's time minus the
+step's without it, where it runs, with the caches as the rest of the step leaves them.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -23,6 +31,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import gptrain.model.gpt as gpt
 from gptrain.config.load import load_config
 from gptrain.distributed import runtime as dist
 from gptrain.logs.mfu import measure_peak_flops
@@ -83,18 +92,67 @@ def profiled(step, steps: int) -> tuple[float, dict]:
     return wall, {k: v / steps for k, v in groups.items()}
 
 
-def gptrain_step(dtype: str):
+def gptrain_step(dtype: str, ablate: str = ""):
+    """gptrain's step and its dtype; `ablate` ("GELU", "LayerNorm", "attention") leaves that out."""
     cfg = load_config(str(REPO / "configs" / "bench.toml"))
     info = dist.DistInfo.from_env("cpu")
     model, wrapped, opt, ptdtype, autocast, scaler = build_training(cfg, info, 257, dtype, False)
+    for block in model.transformer.h:
+        if ablate == "GELU":
+            block.mlp.gelu = torch.nn.Identity()
+        elif ablate == "LayerNorm":
+            block.ln_1 = block.ln_2 = torch.nn.Identity()
     mb, accum = batch.resolve(cfg.train, info, wrapped, model, autocast, 257)
     x = torch.randint(0, 257, (mb, T + 1))
     xy = (x[:, :-1], x[:, 1:])
+    kernels = [b.attn.impl for b in model.transformer.h]
 
     def step():
+        for b, impl in zip(model.transformer.h, kernels, strict=True):  # the model calls
+            b.attn.impl = "matmul" if ablate == "attention" else impl  # gpt.matmul_attention:
+        gpt.matmul_attention = _stand_in if ablate == "attention" else _attention  # the stand-in
         train_step(wrapped, model, opt, scaler, lambda: xy, accum, autocast, 1.0, sync=True)
 
     return step, ptdtype
+
+
+_attention = gpt.matmul_attention
+
+
+class _StandIn(torch.autograd.Function):
+    """Attention left out: y = v, and dq = dk = dv = dy (the shapes and dtypes of the real one)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return v.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, dy, dy
+
+
+def _stand_in(q, k, v, dropout_p=0.0):
+    return _StandIn.apply(q, k, v)
+
+
+def ablation(dtype: str, rounds: int) -> None:
+    """Print what each part costs in an unprofiled step: the whole step's median time minus the
+    median of the step without it, the variants alternating (a few steps each per round)."""
+    parts = ["", "GELU", "LayerNorm", "attention"]
+    steps = {part: gptrain_step(dtype, part)[0] for part in parts}
+    times: dict[str, list] = {part: [] for part in parts}
+    for _ in range(rounds):
+        for part, step in steps.items():
+            step()
+            for _ in range(3):
+                t0 = time.perf_counter()
+                step()
+                times[part].append(time.perf_counter() - t0)
+    whole = statistics.median(times[""]) * 1e3
+    print(f"| part | ms per step (whole step {whole:.1f} ms, median of {3 * rounds}; best {min(times['']) * 1e3:.1f}) |")  # fmt: skip
+    print("|---|---:|")
+    for part in parts[1:]:
+        print(f"| {part} | {whole - statistics.median(times[part]) * 1e3:.1f} |")
 
 
 def nanogpt_step(nano: Path):
@@ -122,11 +180,15 @@ def main(argv=None) -> int:
     p.add_argument("--nanogpt", required=True, help="a checkout of github.com/karpathy/nanoGPT")
     p.add_argument("--dtype", default="auto", help="gptrain's train.dtype (auto, float32, bfloat16)")  # fmt: skip
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--ablate", type=int, default=0, metavar="ROUNDS", help="time the step without GELU, LayerNorm, attention (ROUNDS alternating rounds) instead of profiling")  # fmt: skip
     args = p.parse_args(argv)
     nano = Path(args.nanogpt)
     if not (nano / "model.py").is_file():
         print(f"bench_profile: error: {nano} has no model.py; pass a nanoGPT checkout", file=sys.stderr)  # fmt: skip
         return 2
+    if args.ablate:
+        ablation(args.dtype, args.ablate)
+        return 0
     ours, ptdtype = gptrain_step(args.dtype)
     our_wall, our_groups = profiled(ours, args.steps)
     their_wall, their_groups = profiled(nanogpt_step(nano), args.steps)
