@@ -14,7 +14,7 @@ import torch
 
 from gptrain.__main__ import main as cli
 from gptrain.errors import UserError
-from gptrain.training.choices import MARGIN, Shapes, decide
+from gptrain.training.choices import KERNEL_MARGIN, MARGIN, Shapes, decide
 from gptrain.training.timing import CACHE_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,9 +63,13 @@ def test_the_choice_follows_the_fake_timer(tmp_path):
     close = native(block__float32__sdpa=1.0, block__bfloat16__matmul=1.0 - MARGIN / 2)
     c = decide("cpu", TINY, "auto", "auto", None, timer=close, cache_path=None)
     assert (c.dtype, c.attention, c.muon_dtype) == ("float32", "sdpa", None)
-    close = native(block__bfloat16__sdpa=0.5, block__bfloat16__matmul=0.5 * (1 - MARGIN / 2))
+    # between the kernels of the chosen dtype the margin is KERNEL_MARGIN (the same accuracy)
+    close = native(block__bfloat16__sdpa=0.5, block__bfloat16__matmul=0.5 * (1 - KERNEL_MARGIN / 2))  # fmt: skip
     c = decide("cpu", TINY, "auto", "auto", None, timer=close, cache_path=None)
     assert (c.dtype, c.attention) == ("bfloat16", "sdpa")
+    ahead = native(block__bfloat16__sdpa=0.5, block__bfloat16__matmul=0.5 * (1 - MARGIN / 2))
+    c = decide("cpu", TINY, "auto", "auto", None, timer=ahead, cache_path=None)
+    assert (c.dtype, c.attention) == ("bfloat16", "matmul")
     clear = native(block__bfloat16__sdpa=0.5, block__bfloat16__matmul=0.5 * (1 - 2 * MARGIN))
     c = decide("cpu", TINY, "auto", "auto", None, timer=clear, cache_path=None)
     assert (c.dtype, c.attention) == ("bfloat16", "matmul")

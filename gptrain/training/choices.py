@@ -48,6 +48,10 @@ from gptrain.training.timing import (
 )
 
 MARGIN = 0.1  # a candidate within this of the fastest counts as as fast (timing noise)
+# Between two attention kernels of the chosen dtype (equally accurate; only speed is at stake)
+# the margin is the two-round timings' spread: five fresh decisions on the bench shapes spread by
+# +-2.5%, and there sdpa, 12-16% slower per block, came within MARGIN in 1 of 6 fresh decisions.
+KERNEL_MARGIN = 0.03
 BF16_EMULATED_RATIO = 2.0  # bf16 matmul time / float32's above which bf16 counts as emulated
 BLOCK_FLOPS = 8e9  # CPU: the most FLOPs one timed block run may take (~60 ms in float32)
 MATMUL_MEMORY = 2**30  # bytes of probabilities matmul attention may keep for backward
@@ -171,7 +175,9 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
         makes = {c: partial(block_run, device, s, n, c) for c in combos}
         times = measure("block", shape, makes, rounds=2)
         out.block_ms, out.block_tokens = {c: t * 1e3 for c, t in times.items()}, (n, s.seq_len)
-        out.dtype, out.attention = _pick(times, combos).split("/")
+        out.dtype = _pick(times, combos).split("/")[0]  # float32 unless bf16 is clearly faster
+        kernels_timed = [c for c in combos if c.startswith(f"{out.dtype}/")]
+        out.attention = _pick(times, kernels_timed, KERNEL_MARGIN).split("/")[1]
     else:
         out.dtype, out.attention = combos[0].split("/")
     if len(dtypes) == 1 and out.how["dtype"] == "measured":
@@ -237,7 +243,7 @@ def for_run(cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None
     return dist.from_main(info, choose)
 
 
-def _pick(times: dict, order: list) -> str:
-    """The first candidate of `order` within MARGIN of the fastest: closer is timing noise."""
+def _pick(times: dict, order: list, margin: float = MARGIN) -> str:
+    """The first candidate of `order` within `margin` of the fastest: closer is timing noise."""
     fastest = min(times[c] for c in order)
-    return next(c for c in order if (1 - MARGIN) * times[c] <= fastest)
+    return next(c for c in order if (1 - margin) * times[c] <= fastest)

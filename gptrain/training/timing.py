@@ -7,9 +7,10 @@ all, is the candidate's timing. The block and Muon candidates are timed in two r
 then in reverse, each keeping its better timing, so that a burst of load from a shared machine's
 neighbours slows one timing of a candidate rather than decide against it (a one-round timing
 once cached sdpa for the bench shapes, where matmul attention is 1.5x faster). With 2 probe
-timings and 2 x (4 + 2) candidate timings the start-up stays under ~3 s on 2 cores. The choice
-is the first candidate (float32 before bf16, sdpa before matmul) within MARGIN of the fastest:
-closer than that is timing noise, and a choice should not flip on noise.
+timings and 2 x (4 + 2) candidate timings the start-up stays under ~3 s on 2 cores. The dtype
+is the first (float32 before bf16) within choices.MARGIN of the fastest: closer than that is
+timing noise, and precision should not be given up for noise; the attention kernel of that dtype
+is the first (sdpa before matmul) within the smaller KERNEL_MARGIN, as both are equally accurate.
 
 The timings are cached as JSON in cache_dir()/speed_choices.json, keyed by the machine (CPU model
 name, torch's CPU capability, ONEDNN_MAX_CPU_ISA and threads; or the GPU's name), the torch
