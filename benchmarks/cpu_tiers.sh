@@ -2,14 +2,19 @@
 # Every CPU benchmark of issue 19 on each CPU tier this machine can run, one after another (never
 # two at once on a 2-core machine). The lower tiers are emulated on a better CPU:
 #   avx2:  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (no AVX512; bf16 emulated, ~25-50x
-#          slower than float32), checked below with torch's reported capability and a timed bf16
-#          matmul against float32;
+#          slower than float32);
+#   avx512: ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE (AVX512 without its bf16
+#          instructions, as Skylake/Cascade Lake Xeons: oneDNN converts bf16 to float32, a bf16
+#          matmul ~2-3x slower than float32; only on a CPU with AVX512);
 #   native: whatever this CPU has (AVX512, AVX512-BF16 or AMX).
+# Each emulation is checked below with torch's reported capability and a timed bf16 matmul
+# against float32.
 # Each tier gets its own TORCHINDUCTOR_CACHE_DIR (kernels compiled for one ISA gave wrong numbers
 # when reused under another); the speed-choice cache is keyed by the CPU's capability already.
 #
 #   benchmarks/cpu_tiers.sh --nanogpt /path/to/nanoGPT            # every tier, every benchmark
 #   benchmarks/cpu_tiers.sh --nanogpt DIR --tiers avx2 --only race
+#   benchmarks/cpu_tiers.sh --nanogpt DIR --tiers native,avx512,avx2     # avx512: an AVX512 CPU
 #
 # Benchmarks: throughput (bench_nanogpt.py: gptrain bench vs nanoGPT's train.py), race
 # (bench_race.py: configs/race.toml vs nanoGPT's README CPU recipe, whole processes), train
@@ -18,13 +23,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-NANOGPT="" TIERS="native,avx2" ONLY="throughput,race,train,startup"
+NANOGPT="" ONLY="throughput,race,train,startup"
+# the default tiers: native, and each lower one this CPU can emulate (avx512: where the native one
+# has bf16 instructions on top of AVX512)
+if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then TIERS="native,avx512,avx2"; else TIERS="native,avx2"; fi
 while [ $# -gt 0 ]; do
   case "$1" in
     --nanogpt) NANOGPT=$2; shift 2 ;;
     --tiers) TIERS=$2; shift 2 ;;
     --only) ONLY=$2; shift 2 ;;
-    *) echo "cpu_tiers.sh: unknown argument $1 (use --nanogpt DIR, --tiers native,avx2, --only LIST)" >&2; exit 2 ;;
+    *) echo "cpu_tiers.sh: unknown argument $1 (use --nanogpt DIR, --tiers native,avx512,avx2, --only LIST)" >&2; exit 2 ;;
   esac
 done
 TEXT=../shared/data/tinyshakespeare/input.txt
@@ -38,7 +46,13 @@ for tier in ${TIERS//,/ }; do
   case "$tier" in
     native) envs=() ;;
     avx2) envs=(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) ;;
-    *) echo "cpu_tiers.sh: unknown tier $tier (native, avx2)" >&2; exit 2 ;;
+    avx512)
+      if ! grep -qw avx512f /proc/cpuinfo; then
+        echo "cpu_tiers.sh: tier avx512 needs a CPU with AVX512 (this one has none); use --tiers native,avx2" >&2
+        exit 2
+      fi
+      envs=(ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE) ;;
+    *) echo "cpu_tiers.sh: unknown tier $tier (native, avx512, avx2)" >&2; exit 2 ;;
   esac
   scratch=$(mktemp -d)
   envs+=(TORCHINDUCTOR_CACHE_DIR="$scratch/inductor" PYTHONPATH=.)
