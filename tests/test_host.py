@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import bf16_is_emulated
+from conftest import bf16_matmul_slowdown
 
 from gptrain.distributed import host
 
@@ -38,9 +38,10 @@ print(default, faults_per_step())
 """
 
 
-# the dtype a CPU run computes in here: bf16 where it is native; float32 where it is emulated (a
-# bf16 probe took 993 s on an AVX2-only CPU)
-DTYPE = "float32" if bf16_is_emulated() else "bfloat16"
+# the dtype train.dtype = auto computes in here: bf16 where its matmuls are faster than float32's;
+# float32 where they are slower, as where bf16 is emulated (a bf16 probe took 993 s on an AVX2-only
+# CPU) or converted (AVX512 without its bf16 instructions: 48 s, against 27 s for float32)
+DTYPE = "bfloat16" if bf16_matmul_slowdown() < 1 else "float32"
 
 
 def _page_faults_per_step() -> tuple[float, float]:
