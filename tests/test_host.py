@@ -10,6 +10,7 @@ import pytest
 from conftest import bf16_matmul_slowdown
 
 from gptrain.distributed import host
+from gptrain.training.choices import MARGIN
 
 PROBE = """
 import resource, sys, torch
@@ -38,10 +39,11 @@ print(default, faults_per_step())
 """
 
 
-# the dtype train.dtype = auto computes in here: bf16 where its matmuls are clearly faster (10%);
-# float32 elsewhere, as where bf16 is emulated (a bf16 probe took 993 s on an AVX2-only
-# CPU) or converted (AVX512 without its bf16 instructions: 48 s, against 27 s for float32)
-DTYPE = "bfloat16" if bf16_matmul_slowdown() < 0.9 else "float32"
+# a stand-in for what train.dtype = auto picks here (auto times a whole block): bf16 where its
+# matmuls are faster than float32's by more than auto's MARGIN; float32 elsewhere, as where bf16
+# is emulated (a bf16 probe took 993 s on an AVX2-only CPU) or converted (AVX512 without its bf16
+# instructions: 48 s, against 27 s for float32)
+DTYPE = "bfloat16" if bf16_matmul_slowdown() < 1 - MARGIN else "float32"
 
 
 def _page_faults_per_step() -> tuple[float, float]:
