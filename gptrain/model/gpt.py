@@ -250,15 +250,13 @@ class GPT(nn.Module):
         """Training (forward + backward) FLOPs per token at sequence length seq_len.
 
         PaLM appendix B convention: 6*N + 12*n_layer*n_embd*seq_len, with N = num_params()
-        (weights incl. the lm_head matmul, no position embeddings) less the padded vocabulary
-        rows, which the loss never multiplies (losses.py). The attention term counts
+        (weights incl. the lm_head matmul, no position embeddings). The attention term counts
         q@k^T and att@v over the full seq_len x seq_len matrix (forward 4*L*C*T, backward twice
         that), i.e. it does NOT halve for causality; this makes MFU comparable with PaLM and
         nanoGPT numbers.
         """
         cfg = self.config
-        padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.n_embd
-        return 6.0 * (self.num_params() - padding) + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
+        return 6.0 * self.num_params() + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
 
     def _decode(self, idx: Tensor, caches: list[KVCache], pos: int) -> Tensor:
         """Run idx (B, T) at positions pos.. through the cached blocks; logits (B, V) of the last."""

@@ -3,8 +3,7 @@
 `linear_cross_entropy` runs the output head (x @ weight.T) and the cross-entropy over chunks of
 rows and, when gradients are needed, computes each chunk's input and weight gradients right there
 (Liger-kernel style), so at most one chunk's float32 logits are alive in forward and none in
-backward. Same value and gradients as the plain computation, and the padded vocabulary rows
-(gpt.py) are never multiplied. Imports only torch.
+backward. Same value and gradients as the plain computation, same FLOPs. Imports only torch.
 """
 
 from __future__ import annotations
@@ -68,9 +67,8 @@ def chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads, row_los
     matmul inputs are in [-1, 1], not [-1/N, 1/N], so float16 (which has no GradScaler factor
     here) keeps them as well as it keeps the plain path's scaled gradients; the caller scales.
     """
-    N = x.size(0)
+    N, padded_vocab = x.size(0), weight.size(0)
     acc = torch.promote_types(weight.dtype, torch.float32)  # float32 (float64 stays float64)
-    real = weight[:vocab_size]  # (V, C): the padded rows' logits would be -inf, never computed
     keep_all = targets != IGNORE_INDEX  # (N,)
     n_valid = keep_all.sum()
     loss_sum = torch.zeros((), dtype=acc, device=x.device)
@@ -79,19 +77,21 @@ def chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads, row_los
     for start in range(0, N, chunk_rows):
         rows = slice(start, start + chunk_rows)
         x_c, t_c, keep = x[rows], targets[rows], keep_all[rows]  # (n, C), (n,), (n,)
-        logits = (x_c @ real.t()).to(acc)  # (n, V)
+        logits = (x_c @ weight.t()).to(acc)  # (n, padded V)
+        if padded_vocab > vocab_size:
+            logits[:, vocab_size:] = float("-inf")  # padded ids: probability 0
         safe = torch.where(keep, t_c, 0)  # ignored rows read column 0 (then masked); ids >= V raise
         lse = torch.logsumexp(logits, dim=1)  # (n,)
-        target_logit = logits.gather(1, safe[:, None]).squeeze(1)  # (n,)
+        target_logit = logits[:, :vocab_size].gather(1, safe[:, None]).squeeze(1)  # (n,)
         row_loss = torch.where(keep, lse - target_logit, 0.0)  # (n,)
         loss_sum = loss_sum + row_loss.sum()
         if row_losses is not None:
             row_losses[rows] = row_loss
         if with_grads:
-            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: (n, V)
+            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: (n, padded V)
             grad.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))
             grad.mul_(keep[:, None])  # ignored rows contribute nothing
             grad = grad.to(weight.dtype)
-            grad_x[rows] = grad @ real  # (n, C)
-            grad_w[:vocab_size] += grad.t() @ x_c  # (V, C) in float32; padded rows stay 0
+            grad_x[rows] = grad @ weight  # (n, C)
+            grad_w += grad.t() @ x_c  # (padded V, C), accumulated in float32
     return loss_sum, n_valid, grad_x, grad_w
