@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from test_train import DEBUG, REPO, run
+from train_helpers import DEBUG, REPO, run
 
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint

@@ -5,7 +5,7 @@ uninterrupted run's bit for bit."""
 import sys
 
 import pytest
-from test_train import REPO
+from train_helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import chaos  # noqa: E402

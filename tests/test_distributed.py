@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import skip_where_bf16_is_emulated
 from safetensors.torch import load_file
-from test_train import comparable
+from train_helpers import comparable
 
 from gptrain.checkpoint import dcp as sharded
 from gptrain.checkpoint import manager as checkpoint

@@ -16,7 +16,7 @@ from pathlib import Path
 import dist_helpers as h
 import pytest
 import torch
-from test_train import DEBUG, REPO, run, weights
+from train_helpers import DEBUG, REPO, run, weights
 
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint

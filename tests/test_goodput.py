@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from test_train import DEBUG, REPO, run, weights
+from train_helpers import DEBUG, REPO, run, weights
 
 import gptrain.commands.train as train_command
 from gptrain.__main__ import main as cli

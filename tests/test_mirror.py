@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from test_train import DEBUG, run, weights
+from train_helpers import DEBUG, run, weights
 
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import mirror

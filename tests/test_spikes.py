@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from test_guard import rewrite_state
-from test_train import DEBUG, run, weights
+from train_helpers import DEBUG, run, weights
 
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint
