@@ -154,3 +154,40 @@ def test_no_module_over_400_lines_and_no_utils():
         assert p.name != "utils.py"
         lines = len(p.read_text().splitlines())
         assert lines <= 420, f"{p.relative_to(PACKAGE.parent)}: {lines} lines"
+
+
+def map_entries(text: str) -> set[str]:
+    """The module paths docs/architecture.md's map names: `name.py` lines under their folder."""
+    block = text.split("## The map", 1)[1].split("\n## ", 1)[0]
+    folder, found = "", set()
+    for line in block.splitlines():
+        entry = line.strip().split(" ", 1)[0]
+        if line.startswith("      ") and not line.startswith("        ") and entry.endswith("/"):
+            folder = entry
+        elif line.startswith("      ") and not line.startswith("        "):
+            folder = ""  # a module of the package's own level (errors.py, cache.py, ...)
+            if entry.endswith(".py"):
+                found.add(entry)
+        elif line.startswith("        ") and entry.endswith(".py") and folder:
+            found.add(folder + entry)
+    return found
+
+
+def test_the_map_in_docs_names_every_module():
+    """docs/architecture.md's map stays true: every module of the package is listed under its
+    folder, and every module it lists exists."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    named = map_entries(text)
+    modules = {
+        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"
+    }
+    assert modules - named == set(), f"modules missing from the map: {sorted(modules - named)}"
+    assert named - modules == set(), (
+        f"the map names modules that do not exist: {sorted(named - modules)}"
+    )
+
+
+def test_the_map_checker_sees_a_missing_module():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    assert "checkpoint/mirror.py" in map_entries(text)
+    assert "checkpoint/mirror.py" not in map_entries(text.replace("        mirror.py ", "        "))
