@@ -161,14 +161,12 @@ def map_entries(text: str) -> set[str]:
     block = text.split("## The map", 1)[1].split("\n## ", 1)[0]
     folder, found = "", set()
     for line in block.splitlines():
-        entry = line.strip().split(" ", 1)[0]
-        if line.startswith("      ") and not line.startswith("        ") and entry.endswith("/"):
-            folder = entry
-        elif line.startswith("      ") and not line.startswith("        "):
-            folder = ""  # a module of the package's own level (errors.py, cache.py, ...)
+        indent, entry = len(line) - len(line.lstrip()), line.strip().split(" ", 1)[0]
+        if indent == 6:  # a folder of the package, or a module at its own level (errors.py, ...)
+            folder = entry if entry.endswith("/") else ""
             if entry.endswith(".py"):
                 found.add(entry)
-        elif line.startswith("        ") and entry.endswith(".py") and folder:
+        elif indent == 8 and folder and entry.endswith(".py"):  # a module inside that folder
             found.add(folder + entry)
     return found
 
