@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from train_helpers import DEBUG, REPO, run
 
 from gptrain.__main__ import main as cli
@@ -15,6 +16,7 @@ from gptrain.checkpoint import manager as checkpoint
 from gptrain.distributed import launch, watchdog
 from gptrain.training import attempts
 from gptrain.training.attempts import failed_streak
+from gptrain.training.guards import Preemption
 
 QUICK = ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
 QUICK += ["optim.warmup_steps=1", "log.progress=false", "checkpoint.every=2"]
@@ -141,6 +143,64 @@ def test_preempted_as_often_never_stops(byte_data, tmp_path):
     assert [a["end"]["exit"] for a in rows[1:]] == ["preempted"] * 3
     p = start(byte_data, run_dir, "--run.max_failed_attempts=2")
     assert finish(p) and p.returncode == 0 and checkpoint.latest(run_dir).name == "step_00000006"
+
+
+@pytest.fixture
+def own_signal_handlers():
+    """This test process's SIGTERM/SIGUSR1 handlers, put back afterwards (a stopped Preemption
+    leaves them ignored, as a process that is exiting wants)."""
+    before = {sig: signal.getsignal(sig) for sig in Preemption.SIGNALS}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+def test_a_signal_before_the_ledger_is_connected_is_still_recorded(byte_data, tmp_path, monkeypatch, own_signal_handlers):  # fmt: skip
+    """SIGTERM in the moment after the ledger wrote its start line and before the signal handler
+    could tell it (the window test_preempted_as_often_never_stops sometimes hit): the attempt
+    still gets its signal line (without it, a later hard kill of the attempt would count as a
+    failure) and ends preempted with nothing new saved."""
+    run_dir = tmp_path / "r"
+    run(byte_data, run_dir, "train.max_steps=4", *QUICK)
+    enter = attempts.Ledger.__enter__
+
+    def enter_then_signal(self):
+        ledger = enter(self)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled (a flag) by the Preemption train() installed
+        return ledger
+
+    monkeypatch.setattr(attempts.Ledger, "__enter__", enter_then_signal)
+    run(byte_data, run_dir, "train.max_steps=6", *QUICK)
+    rows = attempts.read(run_dir)
+    assert rows[-1]["signal"] is not None and rows[-1]["signal"]["signal"] == "SIGTERM", rows[-1]
+    assert rows[-1]["end"]["exit"] == "preempted"
+    assert checkpoint.latest(run_dir).name == "step_00000004"
+
+
+def test_preemption_tells_a_late_listener_once_and_an_early_one_from_the_handler(
+    own_signal_handlers,
+):
+    """Preemption.connect: a signal received before connect is told at connect; one received
+    after is told by the handler; only the first signal is told."""
+    told = []
+    p = Preemption().install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        p.connect(told.append)
+        assert told == ["SIGUSR1"]
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal: not told again
+        assert told == ["SIGUSR1"] and p.received == "SIGUSR1"
+    finally:
+        p.restore()
+    told2 = []
+    q = Preemption().install()
+    try:
+        q.connect(told2.append)
+        assert told2 == []
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert told2 == ["SIGTERM"]
+    finally:
+        q.restore()
 
 
 def test_a_hung_attempt_is_recorded_and_counts(byte_data, tmp_path):

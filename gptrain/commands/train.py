@@ -45,7 +45,8 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         # the hang watchdog (phase: start), then the restart ledger: a start in a crash loop
         # ends here (CrashLoop, exit 4); the ledger records how this attempt ends
         with Watchdog(cfg.dist.hang_timeout_s, info.rank, log_path) as watchdog, attempts.Ledger(cfg.run, info, watchdog) as ledger:  # fmt: skip
-            watchdog.on_expiry, preemption.on_signal = ledger.hung, ledger.signal
+            watchdog.on_expiry = ledger.hung
+            preemption.connect(ledger.signal)  # a signal already received is recorded now
             return _train(cfg, info, watchdog, ledger, preemption)
     finally:
         preemption.restore()

@@ -54,6 +54,16 @@ class Preemption:
             self.on_signal(signal.Signals(signum).name)
         self.received = self.received or signal.Signals(signum).name
 
+    def connect(self, on_signal) -> None:
+        """Have on_signal told the first signal's name: from the handler, or right now when a
+        signal already arrived before there was anyone to tell (start-up, before the restart
+        ledger existed: its signal line must not be lost, or a later hard kill of this attempt
+        would count as a failure). A signal landing between the two lines below is told twice:
+        harmless, the ledger keeps one signal line per attempt."""
+        self.on_signal = on_signal
+        if self.received is not None:
+            on_signal(self.received)
+
     def restore(self) -> None:
         """The previous handlers; after a stop, further signals are ignored while the process
         exits (a second SIGTERM must not kill it in the middle of tearing down)."""
