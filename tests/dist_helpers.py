@@ -1,8 +1,9 @@
 """Helpers for the multi-process tests: start gloo workers as subprocesses, and worker scripts.
 
 Used two ways:
-- imported by tests/test_distributed.py: `free_port`, `spawn` (RANK/WORLD_SIZE/MASTER_* env, one
-  subprocess per rank), `torchrun` (the real launcher), `wait_all` (always with a time-out).
+- imported by the multi-process tests (test_distributed.py, test_distributed_bad_input.py, ...):
+  `free_port`, `spawn` (RANK/WORLD_SIZE/MASTER_* env, one subprocess per rank), `torchrun` (the
+  real launcher), `wait_all` (always with a time-out).
 - run as a script by those workers: `python tests/dist_helpers.py WORKER ARGS...` where WORKER is
   `comm` (count gradient all-reduces with a DDP communication hook, compare parameters across
   ranks after every step) or `train_probe` (the real `train()` with probes on the model).
