@@ -21,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
+TIMEOUT = 120  # seconds for one short 2-rank run of the debug model, start to exit
 # tiny budgets: distributed tests spend their time on start-up and communication, not on eval
 FAST = [
     "--optim.warmup_steps=1",

@@ -35,7 +35,6 @@ COMMON = [
     "--optim.grad_clip=0.05",
     *h.FAST,
 ]
-TIMEOUT = 120
 
 
 def gptrain_args(byte_data, run_dir, *extra):
@@ -73,7 +72,7 @@ def runs(byte_data, tmp_path_factory):
     for c in cwds:
         c.mkdir()
     procs = h.spawn(gptrain_args(byte_data, "run", "--dist.mode=ddp"), cwds=cwds)
-    out["ddp_results"] = h.wait_all(procs, TIMEOUT)
+    out["ddp_results"] = h.wait_all(procs, h.TIMEOUT)
     h.check_ok(out["ddp_results"])
     out["ddp"], out["ddp_cwds"] = cwds[0] / "run", cwds
 
@@ -81,7 +80,7 @@ def runs(byte_data, tmp_path_factory):
     # (torch.distributed.run underneath); a checkpoint at step 3 for the resume test
     args = gptrain_args(byte_data, root / "fsdp", "--dist.mode=fsdp", "--dist.nproc_per_node=2", "--checkpoint.every=3")  # fmt: skip
     proc = subprocess.Popen([sys.executable, *args], env=h.env(), cwd=h.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    h.check_ok(h.wait_all([proc], TIMEOUT))
+    h.check_ok(h.wait_all([proc], h.TIMEOUT))
     out["fsdp"] = root / "fsdp"
 
     # two "nodes": two torchrun agents, --nnodes=2, one process each, c10d rendezvous on localhost
@@ -91,7 +90,7 @@ def runs(byte_data, tmp_path_factory):
     ddp_options = ["--dist.gradient_as_bucket_view=false", "--dist.bucket_cap_mb=1"]
     train_args = gptrain_args(byte_data, root / "multinode", *ddp_options)[1:]  # drop "-m"
     agents = [h.torchrun(launcher, ["-m", *train_args]) for _ in range(2)]
-    h.check_ok(h.wait_all(agents, TIMEOUT))
+    h.check_ok(h.wait_all(agents, h.TIMEOUT))
     out["multinode"] = root / "multinode"
 
     # the same two nodes through gptrain's own launcher (torch.distributed.run underneath)
@@ -99,7 +98,7 @@ def runs(byte_data, tmp_path_factory):
     nodes = ["--dist.nnodes=2", f"--dist.rdzv_endpoint=127.0.0.1:{port}", "--dist.nproc_per_node=1"]
     args = gptrain_args(byte_data, root / "multinode_cli", *nodes)
     procs = [subprocess.Popen([sys.executable, *args], env=h.env(), cwd=h.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
-    h.check_ok(h.wait_all(procs, TIMEOUT))
+    h.check_ok(h.wait_all(procs, h.TIMEOUT))
     out["multinode_cli"] = root / "multinode_cli"
     return out
 
@@ -163,7 +162,7 @@ def test_fsdp_checkpoint_resumes_exactly(runs, tmp_path):
     (cut / "checkpoints" / "latest").write_text("step_00000003\n")
     args = ["-m", "gptrain", "train", "--config", str(cut / "config.toml"), f"--run.dir={cut}"]
     procs = h.spawn(args)  # by hand this time, a third way to start workers
-    results = h.wait_all(procs, TIMEOUT)
+    results = h.wait_all(procs, h.TIMEOUT)
     h.check_ok(results)
     assert "resumed from" in results[0][1] and "step_00000003" in results[0][1]
     a, b = weights(full), weights(cut)
@@ -187,7 +186,7 @@ def test_resume_needs_the_run_directory_on_rank_0_only(runs, byte_data, tmp_path
     node1.mkdir()
     longer = "--train.max_steps=7"
     procs = h.spawn(gptrain_args(byte_data, "run", "--dist.mode=ddp", longer), cwds=[node0, node1])
-    results = h.wait_all(procs, TIMEOUT)
+    results = h.wait_all(procs, h.TIMEOUT)
     h.check_ok(results)
     assert "resumed from" in results[0][1] and "step_00000005" in results[0][1]
     assert list(node1.iterdir()) == []
@@ -234,7 +233,7 @@ def test_muon_ddp_equals_single_process_and_resumes_on_one(byte_data, tmp_path):
     cfg = load_config(h.DEBUG, [a[2:] for a in gptrain_args(byte_data, tmp_path / "single", *muon)[5:]])  # fmt: skip
     train(cfg, DistInfo())
     procs = h.spawn(gptrain_args(byte_data, tmp_path / "ddp", "--dist.mode=ddp", *muon))
-    h.check_ok(h.wait_all(procs, TIMEOUT))
+    h.check_ok(h.wait_all(procs, h.TIMEOUT))
     state = checkpoint.load_state(checkpoint.find(tmp_path / "ddp"))
     assert "momentum_buffer" in state["optimizer"]["state"]["transformer.h.1.attn.c_proj.weight"]
     cut = tmp_path / "to_one"
@@ -259,7 +258,7 @@ def run_comm_worker(byte_data, tmp_path, mode, accum_micro=2, steps=3, extra=())
     # micro-batch 2 of 64 tokens x 2 ranks x 4 micro-steps = 1024 tokens
     overrides = [f"--data.dir={byte_data}", "--train.micro_batch_size=2", "--train.total_batch_size=1024", *extra]  # fmt: skip
     procs = h.spawn([str(h.REPO / "tests" / "dist_helpers.py"), "comm", str(out), str(steps), mode, *overrides])  # fmt: skip
-    h.check_ok(h.wait_all(procs, TIMEOUT))
+    h.check_ok(h.wait_all(procs, h.TIMEOUT))
     return [json.loads((tmp_path / f"comm-{mode}.{r}").read_text()) for r in range(2)]
 
 
@@ -292,7 +291,7 @@ def test_identical_init_and_rank_specific_dropout(byte_data, tmp_path):
     out = tmp_path / "probe"
     args = [str(h.REPO / "tests" / "dist_helpers.py"), "train_probe", str(out), f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'run'}", "--model.dropout=0.1", *COMMON]  # fmt: skip
     args = [a for a in args if not a.startswith("--train.max_steps")] + ["--train.max_steps=2"]
-    h.check_ok(h.wait_all(h.spawn(args), TIMEOUT))
+    h.check_ok(h.wait_all(h.spawn(args), h.TIMEOUT))
     probes = [json.loads((tmp_path / f"probe.{r}").read_text()) for r in range(2)]
     for p in probes:
         assert p["initial"][0] == p["initial"][1]
@@ -308,7 +307,7 @@ def test_dead_or_stuck_peer_ends_the_run_with_its_rank(byte_data, tmp_path, how)
     args = gptrain_args(byte_data, tmp_path / "run", "--train.max_steps=100000", f"--dist.timeout_s={timeout_s}")  # fmt: skip
     procs = h.spawn(args)
     try:
-        deadline = time.monotonic() + TIMEOUT
+        deadline = time.monotonic() + h.TIMEOUT
         while "step 2/" not in procs[0].stdout.readline():  # rank 0 is training
             assert time.monotonic() < deadline and procs[0].poll() is None
         procs[1].send_signal(getattr(signal, how))
@@ -333,7 +332,7 @@ def test_fsdp_bf16_mixed_precision_under_torchrun(runs, byte_data, tmp_path):
     run_dir = tmp_path / "bf16"
     args = gptrain_args(byte_data, run_dir, "--dist.mode=fsdp", "--train.dtype=bfloat16")
     proc = h.torchrun(["--standalone", "--nproc_per_node=2"], args)
-    h.check_ok(h.wait_all([proc], TIMEOUT))
+    h.check_ok(h.wait_all([proc], h.TIMEOUT))
     assert {v.dtype for v in weights(run_dir).values()} == {torch.float32}
     for a, b in zip(metrics(runs["single"]), metrics(run_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), a["step"]
@@ -343,7 +342,7 @@ def test_compiled_ddp_run_saves_plain_keys(byte_data, runs, tmp_path):
     """compile, then DDP (2 ranks): the checkpoint holds the plain model's keys, no wrapper
     prefix, and matches the eager DDP run's weights (within compiled-kernel rounding)."""
     run_dir = tmp_path / "compiled"  # the same run as `runs`' DDP one, compiled
-    h.check_ok(h.wait_all(h.spawn(gptrain_args(byte_data, run_dir, "--dist.mode=ddp", "--train.compile=true")), TIMEOUT))  # fmt: skip
+    h.check_ok(h.wait_all(h.spawn(gptrain_args(byte_data, run_dir, "--dist.mode=ddp", "--train.compile=true")), h.TIMEOUT))  # fmt: skip
     keys = {name: load_file(str(checkpoint.find(d) / "model.safetensors")) for name, d in (("eager", runs["ddp"]), ("compiled", run_dir))}  # fmt: skip
     assert keys["compiled"].keys() == keys["eager"].keys()
     assert not any(

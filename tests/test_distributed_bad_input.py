@@ -13,8 +13,6 @@ from gptrain.distributed.runtime import cpu_cores
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT = 120
-
 
 def one_line_errors(results, needle):
     for rank, (rc, _out, err) in enumerate(results):
@@ -27,8 +25,8 @@ def one_line_errors(results, needle):
 def test_bad_input_world_size_does_not_divide_batch(byte_data, tmp_path):
     # 1536 tokens = 3 micro-steps of 8 x 64 on one process, but not divisible over 2 ranks
     args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--train.total_batch_size=1536"]  # fmt: skip
-    one_line_errors(h.wait_all(h.spawn(args), TIMEOUT), "x world size (2) = 1024")
-    launched = subprocess.run([sys.executable, *args, "--dist.nproc_per_node=2"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    one_line_errors(h.wait_all(h.spawn(args), h.TIMEOUT), "x world size (2) = 1024")
+    launched = subprocess.run([sys.executable, *args, "--dist.nproc_per_node=2"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=h.TIMEOUT)  # fmt: skip
     one_line_errors([(launched.returncode, launched.stdout, launched.stderr)], "nearest valid")
     assert not (tmp_path / "r").exists()
 
@@ -36,7 +34,8 @@ def test_bad_input_world_size_does_not_divide_batch(byte_data, tmp_path):
 def test_bad_input_static_graph_with_accumulation(byte_data, tmp_path):
     args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--train.total_batch_size=2048", "--dist.static_graph=true"]  # fmt: skip
     one_line_errors(
-        h.wait_all(h.spawn(args), TIMEOUT), "dist.static_graph = true with gradient accumulation (2"
+        h.wait_all(h.spawn(args), h.TIMEOUT),
+        "dist.static_graph = true with gradient accumulation (2",
     )
 
 
@@ -45,7 +44,7 @@ def test_bad_input_mismatched_configs(byte_data, tmp_path):
         lr = "--optim.lr=1e-3" if rank == 0 else "--optim.lr=2e-3"  # "node" 1 has another config
         return ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", lr]  # fmt: skip
 
-    one_line_errors(h.wait_all(h.spawn(args), TIMEOUT), "config differs between ranks")
+    one_line_errors(h.wait_all(h.spawn(args), h.TIMEOUT), "config differs between ranks")
 
 
 def test_bad_input_logger_that_cannot_start_stops_every_rank(byte_data, tmp_path):
@@ -53,7 +52,7 @@ def test_bad_input_logger_that_cannot_start_stops_every_rank(byte_data, tmp_path
     pytest.importorskip("wandb", reason="wandb not installed")
     args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--log.wandb=proj"]  # fmt: skip
     home = dict(HOME=tmp_path / "home", WANDB_CONFIG_DIR=tmp_path / "wandb", WANDB_MODE="online")
-    results = h.wait_all(h.spawn(args, WANDB_API_KEY="", **home), TIMEOUT)
+    results = h.wait_all(h.spawn(args, WANDB_API_KEY="", **home), h.TIMEOUT)
     one_line_errors(results[:1], "log.wandb = 'proj': W&B did not start")
     one_line_errors(results[1:], "another rank failed")
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
@@ -64,8 +63,8 @@ def test_bad_input_more_processes_than_cores(byte_data, tmp_path):
     args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}"]  # fmt: skip
     # under a launcher: every started rank refuses (two of the n are enough to show it)
     procs = h.spawn(args, world=n, ranks=[0, 1], LOCAL_WORLD_SIZE=n)
-    one_line_errors(h.wait_all(procs, TIMEOUT), f"has {n - 1} CPU cores")
-    launched = subprocess.run([sys.executable, *args, f"--dist.nproc_per_node={n}"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    one_line_errors(h.wait_all(procs, h.TIMEOUT), f"has {n - 1} CPU cores")
+    launched = subprocess.run([sys.executable, *args, f"--dist.nproc_per_node={n}"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=h.TIMEOUT)  # fmt: skip
     one_line_errors(
         [(launched.returncode, launched.stdout, launched.stderr)], f"nproc_per_node = {n}"
     )
@@ -95,6 +94,6 @@ def test_bad_input_multinode_endpoint(byte_data, tmp_path):
             "cannot resolve host 'no-such-node.invalid'",
         ),
     ]:
-        done = subprocess.run([sys.executable, *base, *extra], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+        done = subprocess.run([sys.executable, *base, *extra], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=h.TIMEOUT)  # fmt: skip
         one_line_errors([(done.returncode, done.stdout, done.stderr)], needle)
     assert not (tmp_path / "r").exists()
