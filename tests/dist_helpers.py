@@ -127,10 +127,10 @@ def _setup(overrides: list[str]):
     import torch
 
     from gptrain.config.load import load_config
-    from gptrain.config.sections import accumulation_steps
     from gptrain.data.loader import Dataset, TrainLoader
     from gptrain.distributed import parallelize
     from gptrain.distributed import runtime as dist
+    from gptrain.training.batch import accumulation_steps
     from gptrain.training.build import build_model
     from gptrain.training.optim import build_optimizer
 

@@ -28,9 +28,9 @@ STEPS = 3
 
 def variant(data_dir: str, steps: int, *overrides: str, marker: str = "") -> dict:
     from gptrain.config.load import load_config
-    from gptrain.config.sections import accumulation_steps
     from gptrain.data.loader import Dataset, TrainLoader
     from gptrain.distributed import runtime as dist
+    from gptrain.training.batch import accumulation_steps
     from gptrain.training.build import build_training
     from gptrain.training.step import train_step
 

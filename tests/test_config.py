@@ -18,9 +18,9 @@ from gptrain.config.sections import (
     OptimConfig,
     RunConfig,
     TrainConfig,
-    accumulation_steps,
 )
 from gptrain.errors import UserError
+from gptrain.training.batch import accumulation_steps
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,10 +15,30 @@ import gc
 
 import torch
 
-from gptrain.config.sections import TrainConfig, accumulation_steps
+from gptrain.config.sections import TrainConfig
 from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
+
+
+def accumulation_steps(
+    total_batch_size: int, micro_batch_size: int, seq_len: int, world_size: int
+) -> int:
+    """total_batch_size / (micro_batch_size * seq_len * world_size), or a UserError with the numbers."""
+    per_micro_step = micro_batch_size * seq_len * world_size
+    if total_batch_size % per_micro_step == 0:
+        return total_batch_size // per_micro_step
+    lower = total_batch_size // per_micro_step * per_micro_step
+    totals = " or ".join(str(v) for v in (lower, lower + per_micro_step) if v > 0)
+    fix = f"nearest valid totals: {totals}"
+    if total_batch_size % (seq_len * world_size) == 0:  # a smaller micro-batch divides
+        n = total_batch_size // (seq_len * world_size)
+        best = max(d for d in range(1, micro_batch_size) if n % d == 0)
+        fix += f"; or train.micro_batch_size={best} (or auto)"
+    raise UserError(
+        f"train.total_batch_size = {total_batch_size} is not a multiple of train.micro_batch_size ({micro_batch_size}) "
+        f"x train.seq_len ({seq_len}) x world size ({world_size}) = {per_micro_step}; {fix}"
+    )
 
 
 def sequences_per_rank(total_batch_size: int, seq_len: int, world_size: int) -> int:
