@@ -11,7 +11,9 @@ from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.host import keep_freed_memory
 from gptrain.errors import UserError
+from gptrain.training import batch
 from gptrain.training.choices import Choices, for_run
+from gptrain.training.halves import Halves, ineligible
 from gptrain.training.precision import mixed_precision, resolve_dtype, set_matmul_precision
 
 
@@ -104,11 +106,12 @@ def check_saved_arch(config, saved_arch: dict | None) -> None:
 
 class Built(tuple):
     """build_training's result: unpacks as (model, wrapped, optimizer, compute dtype, autocast,
-    scaler), and `.choices` holds the measured speed choices behind it (training/choices.py)."""
+    scaler), `.choices` holds the measured speed choices behind it (training/choices.py) and
+    `.halves` what train_step takes for train.micro_split = halves (None: one pass)."""
 
-    def __new__(cls, items: tuple, choices: Choices):
+    def __new__(cls, items: tuple, choices: Choices, halves: Halves | None = None):
         built = super().__new__(cls, items)
-        built.choices = choices
+        built.choices, built.halves = choices, halves
         return built
 
 
@@ -124,6 +127,13 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     rank ever holds the full model, and the init equals the single-process one bit for bit."""
     from gptrain.training.optim import build_optimizer
 
+    halves = None  # checked first: a refusal costs nothing
+    if cfg.train.micro_split == "halves":
+        mb = batch.plan(cfg.train, info.world_size)[0]
+        why = ineligible(info.device_type, info.world_size, compile, cfg.model.dropout, cfg.train.activation_checkpointing, mb)  # fmt: skip
+        if why:
+            raise UserError(f"train.micro_split = 'halves' but {why}; use train.micro_split=none")
+        halves = Halves()
     torch.manual_seed(cfg.train.seed)
     fsdp = parallelize.shards(cfg.dist, info)
     # pretrained weights (not resuming) are loaded whole on every rank, then sharded
@@ -150,7 +160,7 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
         init_sharded(model, info.device)
     optimizer = build_optimizer(model, cfg.optim, device_type=info.device_type, muon_dtype=choices.muon_torch_dtype)  # fmt: skip
     autocast, scaler = mixed_precision(ptdtype, info.device_type)
-    return Built((model, wrapped, optimizer, ptdtype, autocast, scaler), choices)
+    return Built((model, wrapped, optimizer, ptdtype, autocast, scaler), choices, halves)
 
 
 def attention_kernel(choice: str, measured: str) -> str:

@@ -53,6 +53,7 @@ from gptrain.training import batch
 from gptrain.training.build import build_training
 from gptrain.training.choices import Choices
 from gptrain.training.guards import NonFinite, Spikes
+from gptrain.training.halves import Halves
 from gptrain.training.timing import cached_peak
 
 EVAL_KEYS = ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm")
@@ -85,6 +86,7 @@ class Run:
     peak: float = 1.0  # measured peak FLOP/s of this device (main process)
     peak_cached: bool = False  # the peak came from the speed-choice cache
     choices: Choices | None = None  # the measured speed choices (training/choices.py)
+    halves: Halves | None = None  # train.micro_split = halves: train_step's two threads
     flops_per_token: float = 0.0
     step: int = 0
     tokens: int = 0
@@ -195,6 +197,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
         },
         ckpt=ckpt,
         choices=built.choices,
+        halves=built.halves,
         flops_per_token=model.flops_per_token(t.seq_len),
         best={k: saved[k] for k in ("best_val_loss", "best_val_step") if k in saved},
     )
