@@ -58,15 +58,16 @@ class Halves:
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
+        self._sent = 0  # jobs handed to the worker; each result comes back with its number
 
     def _serve(self) -> None:
         while True:
-            threads, job = self._jobs.get()
+            number, threads, job = self._jobs.get()
             torch.set_num_threads(threads)  # this thread's share, as the main thread's
             try:
-                self._done.put(job())
+                self._done.put((number, job()))
             except BaseException as e:  # raised again on the main thread
-                self._done.put(e)
+                self._done.put((number, e))
 
     def backward(self, half_loss, n: int, params: list) -> Tensor:
         """half_loss(rows: slice) -> a scalar loss of rows `rows` of range(n); run it and its
@@ -84,12 +85,16 @@ class Halves:
             return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
 
         torch.set_num_threads(each)
-        self._jobs.put((each, second))
+        self._sent += 1
+        self._jobs.put((self._sent, each, second))
         try:
             first = half_loss(slice(0, h))
             first.backward()
         finally:
-            out = self._done.get()  # always wait: the worker's graph holds the same parameters
+            # always wait: the worker's graph holds the same parameters
+            number, out = self._done.get()
+            while number != self._sent:  # a result an interrupted call left behind
+                number, out = self._done.get()
             torch.set_num_threads(threads)
         if isinstance(out, BaseException):
             raise out
