@@ -136,6 +136,10 @@ def test_a_run_in_halves_trains_like_one_pass_repeats_and_resumes_bit_for_bit(by
     for name, split in (("one", "none"), ("halves", "halves"), ("again", "halves")):
         run(byte_data, tmp_path / name, f"train.micro_split={split}", *common)
     one, halves, again = (weights(tmp_path / n) for n in ("one", "halves", "again"))
+    assert (
+        "accumulation 2 (each micro-batch in halves on two threads)"
+        in (tmp_path / "halves" / "train.log").read_text()
+    )
     assert all(torch.equal(halves[k], again[k]) for k in halves)
     assert_same_training(comparable(halves), comparable(one), "halves against one pass", 6 * 3e-3)
     logged = [json.loads(r) for r in (tmp_path / "halves" / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
