@@ -35,6 +35,7 @@ ARGS += ["--optim.warmup_steps=1", "--log.every=1", "--log.progress=false", "--m
 ARGS += ["--train.dtype=float32", "--dist.hang_timeout_s=5", "--run.max_failed_attempts=0"]
 ARGS += ["--dist.nproc_per_node=2", "--checkpoint.keep_last=2"]
 KINDS = ("sigkill", "sigterm", "hang", "stall_save")
+launch = subprocess.Popen  # tests/test_chaos.py swaps in tests/forked.py's Popen (no import time)
 
 
 def command(data: Path, run_dir: Path) -> list[str]:
@@ -91,7 +92,7 @@ def attempt(data: Path, run_dir: Path, event: str | None, rng: random.Random) ->
         at = min((at // EVERY + 1) * EVERY, STEPS - EVERY)
         fault = f"stall_save@{at}/{rank}"
     before = starts(run_dir)
-    proc = subprocess.Popen(command(data, run_dir), env=env(fault), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = launch(command(data, run_dir), env=env(fault), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
         if event in ("sigkill", "sigterm"):  # this attempt's rows only (stale ones are rewound)
             while proc.poll() is None and (starts(run_dir) == before or logged_step(run_dir) < at):
@@ -119,7 +120,7 @@ def drill(events: int, seed: int, data: Path, workdir: Path, echo=print) -> bool
     rng = random.Random(seed)
     ref, run_dir = workdir / "ref", workdir / "drill"
     # the uninterrupted run trains alongside the first attempts (on their hang budgets' idle time)
-    uninterrupted = subprocess.Popen(command(data, ref), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    uninterrupted = launch(command(data, ref), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
         plan = [rng.choice(KINDS) for _ in range(events)]
         for event in [*plan, None]:

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import forked
+
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
 TIMEOUT = 120  # seconds for one short 2-rank run of the debug model, start to exit
@@ -66,7 +68,7 @@ def spawn(argv, world: int = 2, cwds=None, port: int | None = None, ranks=None, 
         variables.update(extra)
         args = argv(rank) if callable(argv) else argv
         procs.append(
-            subprocess.Popen(
+            forked.Popen(
                 [sys.executable, *args],
                 env=env(**variables),
                 cwd=cwds[rank] if cwds else REPO,
@@ -79,7 +81,7 @@ def spawn(argv, world: int = 2, cwds=None, port: int | None = None, ranks=None, 
 
 
 def torchrun(launcher_args: list[str], argv: list[str], cwd=REPO) -> subprocess.Popen:
-    return subprocess.Popen(
+    return forked.Popen(
         [sys.executable, "-m", "torch.distributed.run", *launcher_args, *argv],
         env=env(),
         cwd=cwd,

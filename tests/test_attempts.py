@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import forked
 import pytest
 from train_helpers import DEBUG, REPO, run
 
@@ -97,7 +98,7 @@ def start(byte_data, run_dir, *extra, fault=""):
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
     cmd += [f"--run.dir={run_dir}", "--train.max_steps=6", *(f"--{q}" for q in QUICK), *extra]
     env = {**os.environ, "GPTRAIN_FAULT": fault, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return forked.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
 def test_crash_after_resume_stops_with_exit_4_after_exactly_the_configured_attempts(byte_data, tmp_path):  # fmt: skip

@@ -4,6 +4,7 @@ uninterrupted run's bit for bit."""
 
 import sys
 
+import forked
 import pytest
 from train_helpers import REPO
 
@@ -16,6 +17,7 @@ def test_chaos_drill_five_events(byte_data, tmp_path, monkeypatch):
     # 30 steps, not the drill's 60: this seed's five events all come before step 21, and each
     # run (the uninterrupted one, the last attempt) then trains half as long
     assert chaos.ARGS[0] == f"--train.max_steps={chaos.STEPS}"
+    monkeypatch.setattr(chaos, "launch", forked.Popen)
     monkeypatch.setattr(chaos, "STEPS", 30)
     monkeypatch.setattr(chaos, "ARGS", ["--train.max_steps=30", *chaos.ARGS[1:]])
     lines = []

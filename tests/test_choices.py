@@ -4,11 +4,11 @@ values are one line with exit code 2, and the real measurement stays within its 
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 
@@ -198,7 +198,7 @@ def test_muon_bfloat16_on_an_avx2_cpu_is_one_line_exit_2(byte_data, tmp_path):
     run_dir = tmp_path / "r"
     args = ["--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
     args += ["--optim.name=muon", "--optim.muon_dtype=bfloat16", "--log.progress=false"]
-    p = subprocess.run([sys.executable, "-m", "gptrain", "train", *args], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    p = forked.run([sys.executable, "-m", "gptrain", "train", *args], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1, p.stderr
     assert "optim.muon_dtype = 'bfloat16'" in err[0] and "use optim.muon_dtype=float32" in err[0]

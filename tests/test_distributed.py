@@ -11,6 +11,7 @@ import sys
 import time
 
 import dist_helpers as h
+import forked
 import pytest
 import torch
 from conftest import skip_where_bf16_is_emulated
@@ -79,7 +80,7 @@ def runs(byte_data, tmp_path_factory):
     # FSDP2: 2 processes x accumulation 2 through `gptrain train --dist.nproc_per_node=2`
     # (torch.distributed.run underneath); a checkpoint at step 3 for the resume test
     args = gptrain_args(byte_data, root / "fsdp", "--dist.mode=fsdp", "--dist.nproc_per_node=2", "--checkpoint.every=3")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, *args], env=h.env(), cwd=h.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = forked.Popen([sys.executable, *args], env=h.env(), cwd=h.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     h.check_ok(h.wait_all([proc], h.TIMEOUT))
     out["fsdp"] = root / "fsdp"
 
@@ -97,7 +98,7 @@ def runs(byte_data, tmp_path_factory):
     port = h.free_port()
     nodes = ["--dist.nnodes=2", f"--dist.rdzv_endpoint=127.0.0.1:{port}", "--dist.nproc_per_node=1"]
     args = gptrain_args(byte_data, root / "multinode_cli", *nodes)
-    procs = [subprocess.Popen([sys.executable, *args], env=h.env(), cwd=h.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    procs = [forked.Popen([sys.executable, *args], env=h.env(), cwd=h.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
     h.check_ok(h.wait_all(procs, h.TIMEOUT))
     out["multinode_cli"] = root / "multinode_cli"
     return out

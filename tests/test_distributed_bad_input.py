@@ -3,10 +3,10 @@ not divide the batch, settings that cannot work together, configs that differ be
 logger that cannot start, more processes than cores, an unreachable or missing rendezvous. Every
 started rank ends with exit code 2 and one line naming the problem, and nothing is written."""
 
-import subprocess
 import sys
 
 import dist_helpers as h
+import forked
 import pytest
 
 from gptrain.distributed.runtime import cpu_cores
@@ -26,7 +26,7 @@ def test_bad_input_world_size_does_not_divide_batch(byte_data, tmp_path):
     # 1536 tokens = 3 micro-steps of 8 x 64 on one process, but not divisible over 2 ranks
     args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--train.total_batch_size=1536"]  # fmt: skip
     one_line_errors(h.wait_all(h.spawn(args), h.TIMEOUT), "x world size (2) = 1024")
-    launched = subprocess.run([sys.executable, *args, "--dist.nproc_per_node=2"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=h.TIMEOUT)  # fmt: skip
+    launched = forked.run([sys.executable, *args, "--dist.nproc_per_node=2"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=h.TIMEOUT)  # fmt: skip
     one_line_errors([(launched.returncode, launched.stdout, launched.stderr)], "nearest valid")
     assert not (tmp_path / "r").exists()
 
@@ -64,7 +64,7 @@ def test_bad_input_more_processes_than_cores(byte_data, tmp_path):
     # under a launcher: every started rank refuses (two of the n are enough to show it)
     procs = h.spawn(args, world=n, ranks=[0, 1], LOCAL_WORLD_SIZE=n)
     one_line_errors(h.wait_all(procs, h.TIMEOUT), f"has {n - 1} CPU cores")
-    launched = subprocess.run([sys.executable, *args, f"--dist.nproc_per_node={n}"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=h.TIMEOUT)  # fmt: skip
+    launched = forked.run([sys.executable, *args, f"--dist.nproc_per_node={n}"], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=h.TIMEOUT)  # fmt: skip
     one_line_errors(
         [(launched.returncode, launched.stdout, launched.stderr)], f"nproc_per_node = {n}"
     )
@@ -94,6 +94,6 @@ def test_bad_input_multinode_endpoint(byte_data, tmp_path):
             "cannot resolve host 'no-such-node.invalid'",
         ),
     ]:
-        done = subprocess.run([sys.executable, *base, *extra], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=h.TIMEOUT)  # fmt: skip
+        done = forked.run([sys.executable, *base, *extra], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=h.TIMEOUT)  # fmt: skip
         one_line_errors([(done.returncode, done.stdout, done.stderr)], needle)
     assert not (tmp_path / "r").exists()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import dist_helpers as h
+import forked
 import pytest
 import torch
 from train_helpers import DEBUG, REPO, run, weights
@@ -121,7 +122,7 @@ def test_two_loopback_agents_lose_a_node_and_get_it_back(byte_data, tmp_path):
 
     def agent(**env):  # stderr to a file: an unread pipe fills up and blocks the agent
         logs.append(tmp_path / f"agent{len(logs)}.err")
-        return subprocess.Popen(cmd, env=h.env(**env), stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w"), start_new_session=True)  # fmt: skip
+        return forked.Popen(cmd, env=h.env(**env), stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w"), start_new_session=True)  # fmt: skip
 
     a = agent()  # its agent hosts the rendezvous store: b waits for it (torch's c10d backend
     b = None  # cannot lose the node that hosts it: on a cluster, that is the endpoint's node)

@@ -3,9 +3,9 @@ for another rank, `crash` exits 1 inside its step, `spike` multiplies that step'
 gradients by 20. `hang` and `stall_save` are exercised with the watchdog (tests/test_watchdog.py)."""
 
 import json
-import subprocess
 import sys
 
+import forked
 import pytest
 import torch
 from train_helpers import DEBUG, REPO, run
@@ -96,7 +96,7 @@ def test_crash_exits_1_inside_its_step(byte_data, tmp_path):
     cmd += [f"--run.dir={run_dir}", "--log.progress=false", "--train.max_steps=6"]
     cmd += ["--checkpoint.every=2", *(f"--{q}" for q in QUICK)]
     env = {**__import__("os").environ, faults.ENV: "crash@4", "PYTHONPATH": str(REPO)}
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    p = forked.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr[-2000:]
     assert "fault injection (GPTRAIN_FAULT): crash at step 4: exit 1" in p.stderr
     assert checkpoint.latest(run_dir).name == "step_00000002"  # step 3 trained, 4 never finished

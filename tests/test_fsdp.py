@@ -10,6 +10,7 @@ bf16 FSDP2 keeps DDP + autocast's float32 residual stream and agrees with DDP wi
 import json
 
 import dist_helpers as h
+import forked
 import pytest
 import torch
 
@@ -143,10 +144,9 @@ def dcp_run(byte_data, tmp_path_factory):
 
 
 def _cli(*args):
-    import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "gptrain", *args], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    return forked.run([sys.executable, "-m", "gptrain", *args], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
 @pytest.mark.slow

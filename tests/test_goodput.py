@@ -3,10 +3,10 @@ time over wall time across every attempt in attempts.jsonl, and where the rest w
 
 import json
 import os
-import subprocess
 import sys
 import time
 
+import forked
 import pytest
 import torch
 from train_helpers import DEBUG, REPO, run, weights
@@ -88,7 +88,7 @@ def test_goodput_across_a_hung_attempt_and_its_rerun(byte_data, tmp_path):
     cmd += [f"--run.dir={run_dir}", "--train.max_steps=8", "--checkpoint.every=4"]
     cmd += [*(f"--{q}" for q in QUICK), "--dist.hang_timeout_s=2"]
     env = {**os.environ, "GPTRAIN_FAULT": "hang@7", "PYTHONPATH": str(REPO)}
-    assert subprocess.run(cmd, env=env, capture_output=True, timeout=120).returncode == 3
+    assert forked.run(cmd, env=env, capture_output=True, timeout=120).returncode == 3
     summary = run(byte_data, run_dir, "train.max_steps=8", "checkpoint.every=4", *QUICK)
     g = summary["goodput"]
     assert json.loads((run_dir / "summary.json").read_text())["goodput"] == g

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from train_helpers import DEBUG, run, weights
@@ -386,7 +387,7 @@ def test_sigusr1_to_gptrains_own_launcher_reaches_the_workers(byte_data, tmp_pat
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
     cmd += [f"--run.dir={run_dir}", "--dist.nproc_per_node=2", "--train.max_steps=200", *h.FAST]
-    proc = subprocess.Popen(cmd, env=h.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = forked.Popen(cmd, env=h.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if metrics.is_file() and '"step": 3,' in metrics.read_text():

@@ -5,12 +5,12 @@ copy is fetched for real and its sha256 checks reject a tampered file."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -130,7 +130,7 @@ def test_two_ranks_give_what_one_gives(tmp_path, hellaswag_file):
     args = ["--run", str(tmp_path / "run"), "--tasks", "hellaswag", "--hellaswag", str(hellaswag_file)]  # fmt: skip
     args += ["--hellaswag-limit", "50", "--batch-tokens", "1024", "--device", "cpu"]
     one = [sys.executable, "-m", "gptrain", "eval", *args, "--out", str(tmp_path / "one.json")]
-    proc = subprocess.run(one, env=h.env(), capture_output=True, text=True, timeout=300)
+    proc = forked.run(one, env=h.env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     two = ["-m", "gptrain", "eval", *args, "--out", str(tmp_path / "two.json")]
     h.check_ok(h.wait_all(h.spawn(two, world=2), timeout=300))

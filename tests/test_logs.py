@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 
 from gptrain.errors import UserError
@@ -153,7 +154,7 @@ def test_resumed_run_shows_each_step_once_in_every_logger(byte_data, tmp_path, o
 
     def train(*extra):  # a process per run, as a user's restart is (W&B keeps state per process)
         cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, *common, *extra]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = forked.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
 
     train()
@@ -184,7 +185,7 @@ def test_wandb_that_cannot_start_is_one_line_exit_2(byte_data, tmp_path):
     env |= {"HOME": str(tmp_path / "home"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
     run_dir = tmp_path / "run"
     args = ["--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--log.wandb=proj"]  # fmt: skip
-    proc = subprocess.run(
+    proc = forked.run(
         [sys.executable, "-m", "gptrain", "train", *args],
         env=env,
         capture_output=True,

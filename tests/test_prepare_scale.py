@@ -23,6 +23,8 @@ def test_kill_9_then_the_same_command_resumes_byte_identical(tmp_path, gpt2_env)
     import sys
     import time
 
+    import forked
+
     src = corpus(tmp_path, files=60, rows=100)
     args = ["--input", str(src), "--tokenizer", "gpt2", "--workers", "2", "--shard-tokens", "300000", "--no-progress"]  # fmt: skip
     ref = tmp_path / "ref"
@@ -30,7 +32,7 @@ def test_kill_9_then_the_same_command_resumes_byte_identical(tmp_path, gpt2_env)
     out, parts = tmp_path / "out", tmp_path / ".out.parts"
     cmd = [sys.executable, "-m", "gptrain", "prepare", *args, "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    proc = forked.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while len(list(parts.glob("*.json"))) < 10 and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read().decode()
@@ -39,7 +41,7 @@ def test_kill_9_then_the_same_command_resumes_byte_identical(tmp_path, gpt2_env)
     proc.wait()
     done = len(list(parts.glob("*.json")))
     assert 10 <= done < 60 and not out.exists()  # 60: room for a poll delayed by a busy machine
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    proc = forked.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     resumed = int(proc.stderr.split("resumed: ")[1].split(" of ")[0])
     assert resumed >= done and "of 60 parts" in proc.stderr

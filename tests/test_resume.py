@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import forked
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -162,7 +163,7 @@ def test_sigkill_at_any_moment_then_resume_equals_uninterrupted_run(byte_data, t
     crashed = tmp_path / "crashed"
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
     cmd += [f"--run.dir={crashed}", "--log.progress=false", *(f"--{o}" for o in common)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = forked.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     metrics_file = crashed / "metrics.jsonl"
     while time.time() < deadline and proc.poll() is None:  # kill between checkpoints 50 and 100
@@ -205,7 +206,7 @@ def test_sigkill_while_a_checkpoint_is_being_written_then_resume_equals_uninterr
     cmd += [f"--run.dir={crashed}", "--log.progress=false", *(f"--{o}" for o in common)]
     caught = []  # steps whose save was killed half-way
     for _attempt in range(3):
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = forked.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         seen_tmp = set(ckpts.glob(".tmp-*")) if ckpts.is_dir() else set()
         while proc.poll() is None:
             fresh = set(ckpts.glob(".tmp-*")) - seen_tmp if ckpts.is_dir() else set()

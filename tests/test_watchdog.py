@@ -10,6 +10,7 @@ import sys
 import time
 
 import dist_helpers as h
+import forked
 import pytest
 import torch
 from train_helpers import DEBUG, REPO, run, weights
@@ -87,7 +88,7 @@ def start(byte_data, run_dir, fault):
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
     cmd += [f"--run.dir={run_dir}", *(f"--{o}" for o in COMMON), f"--dist.hang_timeout_s={BUDGET}"]
     env = {**os.environ, "GPTRAIN_FAULT": fault, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)  # fmt: skip
+    return forked.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)  # fmt: skip
 
 
 def wait_hung(proc, limit=BUDGET + 30):

@@ -1,0 +1,339 @@
+"""Start `python -m gptrain ...` and the tests' worker scripts without paying Python's imports
+each time: a fork of a process that has already imported torch and gptrain ("zygote").
+
+A fresh `python -m gptrain train` spends ~5.5 s on a 2-core AVX2 EPYC importing torch (~3.5 s)
+and torch._dynamo (~2 s, pulled in by torch.optim) before its first step; the tests start ~100
+such processes. `Popen` and `run` here take the same arguments as subprocess's and return the
+same things. A forked child is a real process of its own (pid, signals, exit code or -signal,
+its own session with start_new_session, stdout and stderr as pipes, files or /dev/null, its
+own cwd and environment); it differs from a fresh interpreter only in having its modules
+imported already. tests/test_forked.py proves that: the same output, exit codes and signals as
+a fresh process, and a training run whose weights equal a fresh process's bit for bit.
+
+Commands that are not `python [-u] (-m MODULE | -c CODE | SCRIPT) ...`, or whose environment
+differs from a zygote's in a variable read at import time (OMP_NUM_THREADS, ATEN_*, ...), get
+a zygote of their own the first time; GPTRAIN_FORK=0 turns all of this off (plain subprocess).
+
+Per command: the client sends argv, env, cwd and its stdio fds to the zygote (a unix socket);
+the zygote forks a monitor, which forks the worker and reports its pid, then its exit status.
+The worker is a grandchild of the zygote, so it is never a child of pytest: poll/wait read the
+monitor's report instead of waitpid.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+# variables read at run time, not while modules import: they may differ between children
+RUNTIME = ("GPTRAIN_", "PYTEST_", "WANDB_", "TORCHELASTIC_", "TORCH_NCCL_", "MASTER_", "SLURM_")
+RUNTIME_EXACT = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "PYTHONUNBUFFERED", "TORCH_FR_BUFFER_SIZE", "WAIT_FOR_PORT"}  # fmt: skip
+PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.run",
+           "torch.distributed.checkpoint", "matplotlib", "gptrain.__main__",
+           "gptrain.commands.train", "gptrain.commands.prepare", "gptrain.commands.eval",
+           "gptrain.commands.sample", "gptrain.commands.export", "gptrain.commands.bench"]  # fmt: skip
+
+
+def _import_key(env: dict) -> tuple:
+    def runtime(k):
+        return k in RUNTIME_EXACT or k.startswith(RUNTIME)
+
+    return tuple(sorted((k, v) for k, v in env.items() if not runtime(k)))
+
+
+def _parse(args) -> list[str] | None:
+    """argv after the interpreter when it is a form the zygote runs, else None."""
+    args = [os.fspath(a) for a in args]
+    if os.environ.get("GPTRAIN_FORK") == "0" or not args or args[0] != sys.executable:
+        return None
+    rest = args[1:]
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]
+    if rest[:1] in (["-m"], ["-c"]) and len(rest) >= 2 or rest and not rest[0].startswith("-"):
+        return args[1:]
+    return None
+
+
+class _Zygote:
+    def __init__(self, env: dict):
+        self.dir = tempfile.mkdtemp(prefix="gptrain-zygote-")
+        self.path = os.path.join(self.dir, "sock")
+        cmd = [sys.executable, __file__, "serve", self.path]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        deadline = time.time() + 300
+        while not os.path.exists(self.path + ".ready"):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"zygote did not start (exit {self.proc.poll()})")
+            time.sleep(0.05)
+
+    def start(self, argv, env, cwd, fds, new_session) -> socket.socket:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.connect(self.path)
+        req = dict(argv=argv, env=env, cwd=os.fspath(cwd or os.getcwd()), session=new_session)
+        socket.send_fds(conn, [json.dumps(req).encode()], fds)
+        return conn
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+_ZYGOTES: dict[tuple, _Zygote] = {}
+
+
+def _zygote(env: dict) -> _Zygote:
+    key = _import_key(env)
+    if key not in _ZYGOTES:
+        _ZYGOTES[key] = _Zygote(env)
+    return _ZYGOTES[key]
+
+
+@atexit.register
+def _stop_all():
+    for z in _ZYGOTES.values():
+        z.close()
+
+
+class Forked:
+    """The part of subprocess.Popen the tests use, for a process forked by a zygote."""
+
+    def __init__(self, args, env, cwd, stdout, stderr, text, start_new_session):
+        self.args, self.returncode, self.stdin = args, None, None
+        env = dict(os.environ if env is None else env)
+        fds, self._close_after, parent_ends = [], [], {}
+        for name, spec in (("stdin", subprocess.DEVNULL), ("stdout", stdout), ("stderr", stderr)):
+            if spec is None:
+                fds.append({"stdin": 0, "stdout": 1, "stderr": 2}[name])
+            elif spec == subprocess.DEVNULL:
+                fd = os.open(os.devnull, os.O_RDWR)
+                fds.append(fd), self._close_after.append(fd)
+            elif spec == subprocess.PIPE:
+                r, w = os.pipe()
+                fds.append(w), self._close_after.append(w)
+                parent_ends[name] = r
+            elif spec == subprocess.STDOUT and name == "stderr":
+                fds.append(fds[1])
+            else:
+                fds.append(spec if isinstance(spec, int) else spec.fileno())
+        self._conn = _zygote(env).start(_parse(args), env, cwd, fds, start_new_session)
+        for fd in self._close_after:
+            os.close(fd)
+        for name in ("stdout", "stderr"):
+            r = parent_ends.get(name)
+            f = None if r is None else open(r, "r" if text else "rb", encoding="utf-8" if text else None)  # fmt: skip
+            setattr(self, name, f)
+        self.pid = int(self._conn.recv(64))
+        self._readers: dict[str, tuple[threading.Thread, list]] = {}
+
+    def poll(self):
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._collect()
+        return self.returncode
+
+    def _collect(self):
+        msg = self._conn.recv(64)
+        self.returncode = int(msg) if msg else -signal.SIGKILL  # monitor gone: treat as killed
+        self._conn.close()
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._collect()
+        return self.returncode
+
+    def communicate(self, input=None, timeout=None):
+        assert input is None, "stdin is /dev/null for forked processes"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for name in ("stdout", "stderr"):
+            f = getattr(self, name)
+            if f is not None and name not in self._readers:
+                chunks: list = []
+                t = threading.Thread(target=lambda f=f, c=chunks: c.append(f.read()), daemon=True)
+                t.start()
+                self._readers[name] = (t, chunks)
+        for t, _ in self._readers.values():
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        out = []
+        for name in ("stdout", "stderr"):
+            if name in self._readers:
+                out.append(self._readers[name][1][0])
+                getattr(self, name).close()
+            else:
+                out.append(None)
+        return tuple(out)
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.wait()
+
+
+def Popen(args, *, env=None, cwd=None, stdout=None, stderr=None, text=False, start_new_session=False):  # fmt: skip
+    """subprocess.Popen for `python ...` commands, forked from a zygote where it can be."""
+    if _parse(args) is None:
+        return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)  # fmt: skip
+    return Forked(args, env, cwd, stdout, stderr, text, start_new_session)
+
+
+def run(args, *, env=None, cwd=None, capture_output=False, stdout=None, stderr=None, text=False, timeout=None, check=False, start_new_session=False):  # fmt: skip
+    """subprocess.run for `python ...` commands, forked from a zygote where it can be."""
+    if capture_output:
+        stdout = stderr = subprocess.PIPE
+    proc = Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    done = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+# --- the zygote (runs as `python tests/forked.py serve SOCKET`) ------------------------------
+
+
+def _serve(path: str) -> None:
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    # forking a process with Python threads is unsafe; numpy's OpenBLAS starts an OS thread of
+    # its own, which it shuts down and restarts around fork (pthread_atfork)
+    if threading.active_count() != 1:
+        raise SystemExit(f"zygote: preloading started threads {threading.enumerate()}")
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
+    parent = os.getppid()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(64)
+    server.settimeout(1.0)
+    open(path + ".ready", "w").close()
+    while os.getppid() == parent:  # pytest gone: stop
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        if os.fork() == 0:
+            server.close()
+            _monitor(conn, json.loads(msg), fds)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _monitor(conn, req, fds) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    ready_r, ready_w = os.pipe()  # as Popen: the session and stdio are set up when it returns
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        os.close(ready_r)
+        _child(req, fds, ready_w)
+    for fd in (*fds, ready_w):
+        os.close(fd)
+    try:
+        os.read(ready_r, 1)
+        conn.send(str(pid).encode())
+        _, status = os.waitpid(pid, 0)
+        conn.send(str(os.waitstatus_to_exitcode(status)).encode())
+    finally:
+        os._exit(0)
+
+
+def _child(req, fds, ready: int) -> None:
+    import runpy
+    import traceback
+    import types
+
+    if req["session"]:
+        os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.write(ready, b"1")
+    os.close(ready)
+    argv = list(req["argv"])
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    if argv[0] == "-u":
+        argv, unbuffered = argv[1:], True
+    sys.stdout.reconfigure(write_through=unbuffered)
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()
+            for name in (argv[1], argv[1] + ".__main__"):  # preloaded: run afresh, as python -m
+                sys.modules.pop(name, None)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[0] = ""
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+        else:
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # as Python does: end by the signal
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # as at interpreter exit: wait for non-daemon threads, then atexit
+    atexit._run_exitfuncs()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:
+            pass
+    os._exit(code & 0xFF)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    _serve(sys.argv[2])

@@ -1,0 +1,87 @@
+"""tests/forked.py, the tests' process launcher, against subprocess: the same output, exit
+codes, signals, sessions, environment and working directory, and a training run whose weights
+equal a fresh process's bit for bit."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import forked
+import pytest
+import torch
+from train_helpers import DEBUG, REPO, weights
+
+SCRIPT = """
+import os, sys
+print("argv", sys.argv, "cwd", os.getcwd(), "X", os.environ.get("X"), "path0", sys.path[0])
+print("name", __name__, file=sys.stderr)
+sys.exit(int(sys.argv[-1]))
+"""
+
+
+def both(args, **kw):
+    """(subprocess.run, forked.run) of the same command."""
+    return [run(args, capture_output=True, text=True, timeout=120, **kw) for run in (subprocess.run, forked.run)]  # fmt: skip
+
+
+def test_code_and_script_give_what_a_fresh_interpreter_gives(tmp_path):
+    env = {**os.environ, "X": "y", "PYTHONPATH": str(REPO)}
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    for args in ([sys.executable, "-c", SCRIPT, "a", "3"], [sys.executable, str(script), "b", "0"], [sys.executable, "-u", str(script), "7"]):  # fmt: skip
+        fresh, fork = both(args, env=env, cwd=tmp_path)
+        assert forked._parse(args) is not None  # forked, not handed to subprocess
+        assert (fork.returncode, fork.stdout, fork.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)  # fmt: skip
+    fresh, fork = both([sys.executable, "-m", "gptrain", "fly"], env=env)
+    assert (fork.returncode, fork.stdout, fork.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr) == (2, "", fresh.stderr)  # fmt: skip
+    assert "unknown command 'fly'" in fork.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
+def test_signals_end_it_as_they_end_a_fresh_process(sig):
+    args = [sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(60)"]
+    codes = []
+    for popen in (subprocess.Popen, forked.Popen):
+        p = popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert p.stdout.readline() == "up\n"
+        p.send_signal(sig)
+        codes.append(p.wait(timeout=30))
+    assert codes == [-sig, -sig]
+
+
+def test_own_session_own_pid_and_time_out():
+    p = forked.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)  # fmt: skip
+    assert os.getsid(p.pid) == p.pid != os.getpid()
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.2)
+    assert p.poll() is None
+    os.killpg(p.pid, signal.SIGKILL)
+    assert p.wait(timeout=30) == -signal.SIGKILL
+    with pytest.raises(subprocess.TimeoutExpired):
+        forked.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)
+
+
+def test_a_forked_training_run_equals_a_fresh_process(byte_data, tmp_path):
+    """`python -m gptrain train` (5 debug steps, dropout on): forked and fresh, the same exit
+    code, the same losses in metrics.jsonl and the same final weights, bit for bit; the fork
+    starts in a fraction of the fresh process's time."""
+    seconds = {}
+    for name, popen in (("fresh", subprocess.Popen), ("forked", forked.Popen)):
+        cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]  # fmt: skip
+        cmd += [f"--run.dir={tmp_path / name}", "--train.max_steps=5", "--log.every=1", "--model.dropout=0.1"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        forked.run([sys.executable, "-c", "pass"], env=env)  # the zygote is up before timing
+        t0 = time.perf_counter()
+        p = popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, err = p.communicate(timeout=300)
+        seconds[name] = time.perf_counter() - t0
+        assert p.returncode == 0, err[-2000:]
+    a, b = weights(tmp_path / "fresh"), weights(tmp_path / "forked")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [[json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in ("fresh", "forked")]  # fmt: skip
+    losses = [[r["loss"] for r in rs if "loss" in r] for rs in rows]
+    assert losses[0] == losses[1] and len(losses[0]) == 5
+    print(f"fresh {seconds['fresh']:.2f} s, forked {seconds['forked']:.2f} s")
