@@ -193,18 +193,19 @@ class Forked:
         self.wait()
 
 
-def Popen(args, *, env=None, cwd=None, stdout=None, stderr=None, text=False, start_new_session=False):  # fmt: skip
-    """subprocess.Popen for `python ...` commands, forked from a zygote where it can be."""
-    if _parse(args) is None:
-        return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)  # fmt: skip
+def Popen(args, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False, start_new_session=False):  # fmt: skip
+    """subprocess.Popen for `python ...` commands, forked from a zygote where it can be (its
+    stdin is always /dev/null)."""
+    if _parse(args) is None or stdin not in (None, subprocess.DEVNULL):
+        return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)  # fmt: skip
     return Forked(args, env, cwd, stdout, stderr, text, start_new_session)
 
 
-def run(args, *, env=None, cwd=None, capture_output=False, stdout=None, stderr=None, text=False, timeout=None, check=False, start_new_session=False):  # fmt: skip
+def run(args, *, env=None, cwd=None, capture_output=False, stdin=None, stdout=None, stderr=None, text=False, timeout=None, check=False, start_new_session=False):  # fmt: skip
     """subprocess.run for `python ...` commands, forked from a zygote where it can be."""
     if capture_output:
         stdout = stderr = subprocess.PIPE
-    proc = Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)  # fmt: skip
+    proc = Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
