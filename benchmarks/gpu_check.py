@@ -34,6 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# how commands start: tests/test_fsdp.py swaps in tests/forked.py's (forks, no import time)
+run, launch = subprocess.run, subprocess.Popen
+
 REPO = Path(__file__).resolve().parents[1]
 MB = 2**20
 
@@ -104,7 +107,7 @@ class Check:
 
     def cli(self, args: list[str], timeout: float = 3600) -> None:
         cmd = [sys.executable, "-m", "gptrain", *args]  # prepare, bench
-        done = subprocess.run(cmd, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        done = run(cmd, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=timeout)  # fmt: skip
         if done.returncode != 0:
             raise SystemExit(f"failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
 
@@ -135,7 +138,7 @@ class Check:
         out = self.work / f"{name}.json"
         args = [str(Path(__file__).resolve()), "--worker", str(out), *(f"--{o}" for o in overrides)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]  # fmt: skip
-        proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        proc = launch(cmd, cwd=REPO, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
         if kill_after_ckpt:
             run_dir = Path(next(o for o in overrides if o.startswith("run.dir=")).split("=", 1)[1])
             while proc.poll() is None and not (run_dir / "checkpoints" / "latest").is_file():
