@@ -75,7 +75,7 @@ def reference(hf_dir, path, n: int, block_size: int):
 
 @pytest.mark.parametrize(
     "tok_name,block_size,n",
-    [pytest.param("gpt2", 256, 200, marks=pytest.mark.slow), ("byte", 192, 60)],
+    [pytest.param("gpt2", 256, 100, marks=pytest.mark.slow), ("byte", 192, 60)],
 )
 def test_scorer_equals_transformers_reference(tmp_path, hellaswag_file, gpt2_env, tok_name, block_size, n):  # fmt: skip
     """Same per-example losses and predictions as GPT2LMHeadModel scored one sequence at a time;
