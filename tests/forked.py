@@ -26,6 +26,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -86,6 +87,7 @@ class _Zygote:
     def close(self):
         self.proc.kill()
         self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 _ZYGOTES: dict[tuple, _Zygote] = {}
