@@ -261,9 +261,16 @@ def _monitor(conn, req, fds) -> None:
     ready_r, ready_w = os.pipe()  # as Popen: the session and stdio are set up when it returns
     pid = os.fork()
     if pid == 0:
-        conn.close()
-        os.close(ready_r)
-        _child(req, fds, ready_w)
+        try:
+            conn.close()
+            os.close(ready_r)
+            _child(req, fds, ready_w)  # ends the process itself
+        except BaseException:  # a failed set-up (a missing cwd, ...): never back to the loop
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(127)
     for fd in (*fds, ready_w):
         os.close(fd)
     try:
