@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 # how commands start: tests/test_fsdp.py swaps in tests/forked.py's (forks, no import time)
-run, launch = subprocess.run, subprocess.Popen
+run_command, launch = subprocess.run, subprocess.Popen
 
 REPO = Path(__file__).resolve().parents[1]
 MB = 2**20
@@ -107,7 +107,7 @@ class Check:
 
     def cli(self, args: list[str], timeout: float = 3600) -> None:
         cmd = [sys.executable, "-m", "gptrain", *args]  # prepare, bench
-        done = run(cmd, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        done = run_command(cmd, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=timeout)  # fmt: skip
         if done.returncode != 0:
             raise SystemExit(f"failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
 

@@ -340,7 +340,7 @@ def test_gpu_check_dry_run_prints_its_table(monkeypatch, capsys):
 
     done = _gpu_check()
     assert done.returncode == 2 and "no CUDA device here" in done.stdout, done.stderr[-3000:]
-    monkeypatch.setattr(gpu_check, "run", forked.run)
+    monkeypatch.setattr(gpu_check, "run_command", forked.run)
     monkeypatch.setattr(gpu_check, "launch", forked.Popen)
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run"])
     assert gpu_check.main() == 0
