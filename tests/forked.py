@@ -10,9 +10,10 @@ own cwd and environment); it differs from a fresh interpreter only in having its
 imported already. tests/test_forked.py proves that: the same output, exit codes and signals as
 a fresh process, and a training run whose weights equal a fresh process's bit for bit.
 
-Commands that are not `python [-u] (-m MODULE | -c CODE | SCRIPT) ...`, or whose environment
-differs from a zygote's in a variable read at import time (OMP_NUM_THREADS, ATEN_*, ...), get
-a zygote of their own the first time; GPTRAIN_FORK=0 turns all of this off (plain subprocess).
+Commands that are not `python [-u] (-m MODULE | -c CODE | SCRIPT) ...` go to subprocess as
+they are. An environment that differs from every zygote's in a variable read at import time
+(OMP_NUM_THREADS, ATEN_*, HOME, ...) gets a zygote of its own the first time. GPTRAIN_FORK=0
+turns all of this off (plain subprocess).
 
 Per command: the client sends argv, env, cwd and its stdio fds to the zygote (a unix socket);
 the zygote forks a monitor, which forks the worker and reports its pid, then its exit status.
@@ -109,7 +110,7 @@ def _stop_all():
 class Forked:
     """The part of subprocess.Popen the tests use, for a process forked by a zygote."""
 
-    def __init__(self, args, env, cwd, stdout, stderr, text, start_new_session):
+    def __init__(self, args, argv, env, cwd, stdout, stderr, text, start_new_session):
         self.args, self.returncode, self.stdin = args, None, None
         env = dict(os.environ if env is None else env)
         fds, self._close_after, parent_ends = [], [], {}
@@ -127,7 +128,7 @@ class Forked:
                 fds.append(fds[1])
             else:
                 fds.append(spec if isinstance(spec, int) else spec.fileno())
-        self._conn = _zygote(env).start(_parse(args), env, cwd, fds, start_new_session)
+        self._conn = _zygote(env).start(argv, env, cwd, fds, start_new_session)
         for fd in self._close_after:
             os.close(fd)
         for name in ("stdout", "stderr"):
@@ -198,9 +199,10 @@ class Forked:
 def Popen(args, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False, start_new_session=False):  # fmt: skip
     """subprocess.Popen for `python ...` commands, forked from a zygote where it can be (its
     stdin is always /dev/null)."""
-    if _parse(args) is None or stdin not in (None, subprocess.DEVNULL):
+    argv = _parse(args)
+    if argv is None or stdin not in (None, subprocess.DEVNULL):
         return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)  # fmt: skip
-    return Forked(args, env, cwd, stdout, stderr, text, start_new_session)
+    return Forked(args, argv, env, cwd, stdout, stderr, text, start_new_session)
 
 
 def run(args, *, env=None, cwd=None, capture_output=False, stdin=None, stdout=None, stderr=None, text=False, timeout=None, check=False, start_new_session=False):  # fmt: skip
