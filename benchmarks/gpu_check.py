@@ -3,6 +3,10 @@
     benchmarks/gpu_check.sh              # on a CUDA machine: every GPU of the node
     benchmarks/gpu_check.sh --dry-run    # CPU, tiny models, 2 gloo ranks, no compile row:
                                          # checks the script itself (tests/test_fsdp.py)
+    benchmarks/gpu_check.sh --rows 0,4   # only these rows (and the runs they compare with)
+
+Each row is printed as soon as it is done ("gpu_check: done: ...", with its seconds), the whole
+table at the end: a run stopped by a time limit still shows the rows it finished.
 
 Rows (each a real `gptrain` command, started the way a user starts it):
   0. GPT-2 124M as the issue's throughput target means it (GPT-2's 50257-token vocabulary,
@@ -15,7 +19,8 @@ Rows (each a real `gptrain` command, started the way a user starts it):
   3. kill and resume: an FSDP2 run killed (SIGKILL) after its first checkpoint and started again
      ends with the weights of row 2's (uninterrupted) FSDP2 run
   4. GPT-2 XL (48 x 1600) under FSDP2 with activation checkpointing: peak memory per GPU and the
-     wall time of one sharded checkpoint save
+     wall time of one sharded checkpoint save (2 steps, a save each, keep_last 1: ~19 GB of
+     weights and AdamW state at most twice on the node's disk)
 Rows 1-4 train on this machine's own Python sources (torch's), byte-tokenised by `gptrain prepare`:
 the node needs no network. Their vocabulary is therefore 257 (GPT-2's 50257 adds 38M embedding
 parameters); the architecture is GPT-2's. Row 0 needs no data.
@@ -89,7 +94,8 @@ class Check:
         self.dry, self.work = dry, work
         self.gpus = 2 if dry else torch.cuda.device_count()
         self.device = "cpu" if dry else "cuda"
-        self.rows: list[tuple[str, str, str]] = []
+        self.rows: list[tuple[str, str, str, str]] = []  # check, result, verdict, seconds
+        self.clock = time.perf_counter()
         self.data = self.prepare_data()
 
     def prepare_data(self) -> Path:
@@ -166,26 +172,48 @@ class Check:
         name = f"GPT-2 124M, vocab 50257, `gptrain bench`, 1 {self.device}, micro-batch {r['micro_batch']}"
         return (name, f"{r['tok_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%} of a measured {r['peak_tflops']:.3g} TFLOP/s", verdict)  # fmt: skip
 
-    def run(self) -> None:
+    def run(self, rows: set[int]) -> None:
+        """The rows asked for, each printed as soon as it is done (a run cut short by a time limit
+        still shows what it finished); the runs a row compares with are trained when missing."""
+        self.clock = time.perf_counter()
         steps = 4 if self.dry else 30
         every = max(steps // 6, 1)  # the FSDP2 run's checkpoints (dry: one a step)
-        n = self.gpus
-        self.rows.append(self.throughput())
-        single = {}
+        n, runs = self.gpus, {}
+
+        def once(name: str, *extra: str) -> dict:  # a training run, trained once
+            if name not in runs:
+                runs[name] = self.train(name, 1 if name.startswith("one_") else n, self.overrides(name, "gpt2", steps, *extra))  # fmt: skip
+            return runs[name]
+
+        if 0 in rows:
+            self.add(*self.throughput())
         for compile in (False,) if self.dry else (False, True):  # CPU inductor: minutes
-            r = self.train(f"one_{compile}", 1, self.overrides(f"one_{compile}", "gpt2", steps, f"train.compile={str(compile).lower()}"))  # fmt: skip
-            single[compile] = r
-            self.rows.append((f"GPT-2 124M, 1 {self.device}, compile {'on' if compile else 'off'}", f"{r['tok_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%}", f"peak {r['peak_mib']:,.0f} MiB"))  # fmt: skip
-        ref = single[False]["train_loss"]
+            if 1 in rows:
+                r = once(f"one_{compile}", f"train.compile={str(compile).lower()}")
+                self.add(f"GPT-2 124M, 1 {self.device}, compile {'on' if compile else 'off'}", f"{r['tok_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%}", f"peak {r['peak_mib']:,.0f} MiB")  # fmt: skip
         tol = 1e-4 if self.dry else 2e-2
         for mode in ("ddp", "fsdp"):  # the FSDP2 run saves checkpoints: row 3's uninterrupted run
-            saves = [f"checkpoint.every={every}"] if mode == "fsdp" else []
-            r = self.train(mode, n, self.overrides(mode, "gpt2", steps, f"dist.mode={mode}", *saves))  # fmt: skip
-            ok = abs(r["train_loss"] - ref) <= tol * abs(ref)
-            self.rows.append((f"GPT-2 124M, {mode.upper()} x {n}", f"loss {r['train_loss']:.4f} vs 1 {self.device} {ref:.4f}", "OK" if ok else "MISMATCH"))  # fmt: skip
-        self.rows.append(self.kill_and_resume(n, steps, every))
-        xl = self.train("xl", n, self.overrides("xl", "gpt2-xl", 4 if not self.dry else 2, "dist.mode=fsdp", "train.activation_checkpointing=blocks", "checkpoint.every=1"))  # fmt: skip
-        self.rows.append((f"GPT-2 XL, FSDP2 x {n}, activation checkpointing", f"peak {xl['peak_mib']:,.0f} MiB per rank, {xl['tok_per_s']:,.0f} tok/s", f"sharded checkpoint save {min(xl['save_s']):.1f} s"))  # fmt: skip
+            if 2 in rows:
+                ref = once("one_False", "train.compile=false")["train_loss"]
+                saves = [f"checkpoint.every={every}"] if mode == "fsdp" else []
+                r = once(mode, f"dist.mode={mode}", *saves)
+                ok = abs(r["train_loss"] - ref) <= tol * abs(ref)
+                self.add(f"GPT-2 124M, {mode.upper()} x {n}", f"loss {r['train_loss']:.4f} vs 1 {self.device} {ref:.4f}", "OK" if ok else "MISMATCH")  # fmt: skip
+        if 3 in rows:
+            once("fsdp", "dist.mode=fsdp", f"checkpoint.every={every}")
+            self.add(*self.kill_and_resume(n, steps, every))
+        if 4 in rows:  # two sharded saves, the older deleted: GPT-2 XL's ~19 GB of weights and
+            # AdamW state once or twice on the node's disk, not keep_last's 3
+            xl = self.train("xl", n, self.overrides("xl", "gpt2-xl", 2, "dist.mode=fsdp", "train.activation_checkpointing=blocks", "checkpoint.every=1", "checkpoint.keep_last=1"))  # fmt: skip
+            self.add(f"GPT-2 XL, FSDP2 x {n}, activation checkpointing", f"peak {xl['peak_mib']:,.0f} MiB per rank, {xl['tok_per_s']:,.0f} tok/s", f"sharded checkpoint save {min(xl['save_s']):.1f} s")  # fmt: skip
+
+    def add(self, check: str, result: str, verdict: str) -> None:
+        """One row of the table, with the seconds since the previous one, printed at once."""
+        now = time.perf_counter()
+        row = (check, result, verdict, f"{now - self.clock:.0f} s")
+        self.rows.append(row)
+        self.clock = now
+        print("gpu_check: done: " + " | ".join(row), flush=True)
 
     def kill_and_resume(self, n: int, steps: int, every: int) -> tuple[str, str, str]:
         """FSDP2 killed after its first checkpoint, started again: its final weights vs the
@@ -215,8 +243,8 @@ class Check:
             import torch
 
             name = f"{self.gpus} x {torch.cuda.get_device_name(0)}"
-        lines = [f"gpu_check: {name}", "", "| check | result | |", "|---|---|---|"]
-        lines += [f"| {a} | {b} | {c} |" for a, b, c in self.rows]
+        lines = [f"gpu_check: {name}", "", "| check | result | | time |", "|---|---|---|---:|"]
+        lines += [f"| {' | '.join(row)} |" for row in self.rows]
         return "\n".join(lines)
 
 
@@ -224,11 +252,18 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, 2 gloo ranks")
     p.add_argument("--keep", default="", help="keep the runs in this folder")
+    p.add_argument("--rows", default="0,1,2,3,4", help="which rows to run, e.g. 0,4 (the runs a row compares with come along)")  # fmt: skip
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     if a.worker:
         worker(a.worker, [o.removeprefix("--") for o in rest])
         return 0
+    try:
+        rows = {int(r) for r in a.rows.split(",")}
+        assert rows and rows <= {0, 1, 2, 3, 4}
+    except (ValueError, AssertionError):
+        print(f"gpu_check: --rows {a.rows!r}: give row numbers from 0 to 4, comma-separated (e.g. 0,4)")  # fmt: skip
+        return 2
     import torch
 
     if not a.dry_run and not torch.cuda.is_available():
@@ -238,7 +273,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         check = Check(a.dry_run, work)
-        check.run()
+        check.run(rows)
         print(check.table())
     finally:
         if not a.keep:

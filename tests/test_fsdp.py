@@ -319,49 +319,6 @@ def test_restarted_attempt_sees_no_keys_of_the_failed_one():
     assert sorted(out.split("\n"))[-2:] == ["rank 0 attempt 1 stale=False", "rank 1 attempt 1 stale=False"]  # fmt: skip
 
 
-def _gpu_check(*args):
-    import subprocess
-    import sys
-
-    script = h.REPO / "benchmarks" / "gpu_check.sh"
-    env = h.env(PYTHON=sys.executable)
-    return subprocess.run([str(script), *args], env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
-
-
-@pytest.mark.slow
-def test_gpu_check_dry_run_prints_its_table(monkeypatch, capsys):
-    """benchmarks/gpu_check.sh --dry-run: every row of the GPU proof run, on tiny CPU models. The
-    script runs in this process, its commands forked (tests/forked.py); the shell wrapper is
-    checked on its own: without a GPU and without --dry-run it is one line and exit code 2."""
-    import sys
-
-    monkeypatch.syspath_prepend(str(h.REPO / "benchmarks"))
-    import gpu_check
-
-    done = _gpu_check()
-    assert done.returncode == 2 and "no CUDA device here" in done.stdout, done.stderr[-3000:]
-    monkeypatch.setattr(gpu_check, "run_command", forked.run)
-    monkeypatch.setattr(gpu_check, "launch", forked.Popen)
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run"])
-    assert gpu_check.main() == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
-    assert len(rows) == 6, out
-    assert [r.endswith("| OK |") for r in rows[0:1] + rows[2:5]] == [True] * 4, out
-    assert "vocab 50257" in rows[0] and "tok/s, MFU" in rows[0]
-    assert "sharded checkpoint save" in rows[5] and "peak" in rows[1]
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_check_on_this_gpu_node():
-    """The real proof run: every equality row OK on the GPUs of this machine."""
-    done = _gpu_check()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "MISMATCH" not in done.stdout, done.stdout
-
-
 @pytest.mark.slow
 def test_sharded_checkpoint_without_a_shared_filesystem_is_one_line(byte_data, tmp_path):
     """FSDP2 ranks in different working directories with a relative run.dir (two nodes without

@@ -1,0 +1,102 @@
+"""benchmarks/gpu_check.py, the GPU proof run, checked on a CPU: its dry run (tiny models, 2 gloo
+ranks) prints every row; --rows trains only what the rows asked for need; the real run where a
+CUDA device is present."""
+
+import sys
+
+import dist_helpers as h
+import forked
+import pytest
+import torch
+
+sys.path.insert(0, str(h.REPO / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def _script(*args):
+    import subprocess
+
+    script = h.REPO / "benchmarks" / "gpu_check.sh"
+    env = h.env(PYTHON=sys.executable)
+    return subprocess.run([str(script), *args], env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_prints_its_table(monkeypatch, capsys):
+    """benchmarks/gpu_check.sh --dry-run: every row of the GPU proof run, on tiny CPU models. The
+    script runs in this process, its commands forked (tests/forked.py); the shell wrapper is
+    checked on its own: without a GPU and without --dry-run it is one line and exit code 2."""
+    done = _script()
+    assert done.returncode == 2 and "no CUDA device here" in done.stdout, done.stderr[-3000:]
+    monkeypatch.setattr(gpu_check, "run_command", forked.run)
+    monkeypatch.setattr(gpu_check, "launch", forked.Popen)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run"])
+    assert gpu_check.main() == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 6, out
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    assert [c[2] for c in cells[0:1] + cells[2:5]] == ["OK"] * 4, out
+    assert all(c[3].endswith(" s") and float(c[3][:-2]) >= 0 for c in cells), out
+    assert out.count("gpu_check: done: ") == 6, out  # each row printed when it was done
+    assert "vocab 50257" in rows[0] and "tok/s, MFU" in rows[0]
+    assert "sharded checkpoint save" in rows[5] and "peak" in rows[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_check_on_this_gpu_node():
+    """The real proof run: every equality row OK on the GPUs of this machine."""
+    done = _script()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "MISMATCH" not in done.stdout, done.stdout
+
+
+def _fake_check(monkeypatch):
+    """A Check whose training runs are recorded, not run: (name, nproc, overrides) each."""
+    check = gpu_check.Check.__new__(gpu_check.Check)
+    check.dry, check.gpus, check.device, check.rows, check.data = True, 2, "cpu", [], h.REPO
+    check.work, trained = h.REPO / "unused", []
+
+    def train(name, nproc, overrides, kill_after_ckpt=False):
+        trained.append((name, nproc, overrides))
+        return {"train_loss": 2.0, "tok_per_s": 1.0, "mfu": 0.5, "peak_mib": 1.0, "save_s": [1.0]}
+
+    monkeypatch.setattr(check, "train", train)
+    monkeypatch.setattr(check, "throughput", lambda: ("bench", "1 tok/s", "OK"))
+    monkeypatch.setattr(check, "kill_and_resume", lambda n, steps, every: ("resume", "0", "OK"))
+    return check, trained
+
+
+@pytest.mark.parametrize(
+    "rows, runs",
+    [
+        ({0}, []),
+        ({1}, ["one_False"]),
+        ({2}, ["one_False", "ddp", "fsdp"]),
+        ({3}, ["fsdp"]),
+        ({4}, ["xl"]),
+        ({0, 1, 2, 3, 4}, ["one_False", "ddp", "fsdp", "xl"]),
+    ],
+)
+def test_rows_train_only_what_they_need_once(monkeypatch, capsys, rows, runs):
+    check, trained = _fake_check(monkeypatch)
+    check.run(rows)
+    assert [t[0] for t in trained] == runs
+    assert len(check.rows) == len(capsys.readouterr().out.splitlines())  # each printed when done
+    assert len(check.rows) == sum({0: 1, 1: 1, 2: 2, 3: 1, 4: 1}[r] for r in rows)
+    for name, nproc, overrides in trained:
+        assert nproc == (1 if name.startswith("one_") else 2)
+        if name == "fsdp":  # row 3 resumes against this run: the same checkpoints either way
+            assert "dist.mode=fsdp" in overrides and "checkpoint.every=1" in overrides
+        if name == "xl":  # GPT-2 XL's ~19 GB of state at most twice on the disk
+            assert "checkpoint.keep_last=1" in overrides and "train.max_steps=2" in overrides
+
+
+@pytest.mark.parametrize("rows", ["5", "x", "", "1,,2"])
+def test_bad_rows_are_one_line_and_exit_2(monkeypatch, capsys, rows):
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run", "--rows", rows])
+    assert gpu_check.main() == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "--rows" in out and "0 to 4" in out
