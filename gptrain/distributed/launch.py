@@ -37,6 +37,16 @@ def node_range(spec: int | str) -> tuple[int, int]:
 
 
 SHUTDOWN_S = 120  # seconds the workers get to save after a forwarded signal
+TORCH_SHUTDOWN_S = 30  # what they get where torch.distributed.run has no --shutdown-timeout
+
+
+def supported(options: list[str]) -> list[str]:
+    """The options this torch's torch.distributed.run accepts: older releases lack some (torch
+    2.11 has no --shutdown-timeout), and an unknown one stops the launcher with a usage message."""
+    from torch.distributed import run as torch_run
+
+    _, unknown = torch_run.get_args_parser().parse_known_args([*options, "script.py"])
+    return [o for o in options if o not in unknown]
 
 
 def nproc_for(spec: str) -> int:
@@ -129,8 +139,11 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
     else:
         args = ["--standalone"]
     # SIGTERM and SIGUSR1 (preemption, see guard.py) are forwarded to the workers, which save at
-    # their next step; they get SHUTDOWN_S seconds before the launcher kills them
-    args += [f"--signals-to-handle={','.join(FORWARDED)}", f"--shutdown-timeout={SHUTDOWN_S}"]
+    # their next step; they get SHUTDOWN_S seconds before the launcher kills them (where this
+    # torch has the options; else SIGTERM only, and torch's own 30 s)
+    handling = supported([f"--signals-to-handle={','.join(FORWARDED)}", f"--shutdown-timeout={SHUTDOWN_S}"])  # fmt: skip
+    grace = SHUTDOWN_S if any(o.startswith("--shutdown-timeout") for o in handling) else TORCH_SHUTDOWN_S  # fmt: skip
+    args += handling
     args += [f"--nproc_per_node={nproc}", "-m", "gptrain", "train", *argv]
     try:
         torch_run.main(args)
@@ -138,7 +151,7 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
         if e.sigval not in (signal.SIGTERM, signal.SIGUSR1):
             raise KeyboardInterrupt from None
         print(
-            f"gptrain: stopped by {e.sigval.name}: the workers were given up to {SHUTDOWN_S} s to save a checkpoint at their next step; run the same command to resume",
+            f"gptrain: stopped by {e.sigval.name}: the workers were given up to {grace} s to save a checkpoint at their next step; run the same command to resume",
             file=sys.stderr,
         )
         return 0

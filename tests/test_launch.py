@@ -1,0 +1,61 @@
+"""gptrain's own launcher (gptrain/distributed/launch.py) against the torch.distributed.run it
+finds: it passes only options that torch accepts (torch 2.11 has no --shutdown-timeout, and an
+unknown option stops torch's launcher with a usage message, exit code 2), and it says how long the
+workers were given to save after a forwarded signal. The launches themselves, signals included,
+are tested end to end in test_guard.py and test_elastic.py."""
+
+import argparse
+import signal
+
+import pytest
+from torch.distributed import run as torch_run
+from torch.distributed.elastic.multiprocessing import SignalException
+
+from gptrain.config.sections import DistConfig
+from gptrain.distributed import launch
+
+
+def _torch_2_11_parser() -> argparse.ArgumentParser:
+    """torch.distributed.run's parser without --shutdown-timeout, as torch 2.11 ships it."""
+    real = torch_run.get_args_parser()
+    p = argparse.ArgumentParser()
+    for action in real._actions:
+        if action.option_strings and "--shutdown-timeout" not in action.option_strings:
+            if action.option_strings != ["-h", "--help"]:
+                p._add_action(action)
+    p.add_argument("training_script")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def test_supported_keeps_what_torch_accepts_and_drops_the_rest():
+    keep = ["--standalone", "--nproc_per_node=2", "--signals-to-handle=SIGTERM,SIGUSR1"]
+    assert launch.supported([*keep, "--no-such-option=1"]) == keep
+
+
+def _launched(monkeypatch, parser=None, raises=None) -> list:
+    calls = []
+    if parser is not None:
+        monkeypatch.setattr(torch_run, "get_args_parser", lambda: parser)
+
+    def main(args):
+        torch_run.get_args_parser().parse_args(args)  # exits 2 on an unknown option, as torchrun
+        calls.append(args)
+        if raises:
+            raise raises
+
+    monkeypatch.setattr(torch_run, "main", main)
+    return calls
+
+
+@pytest.mark.parametrize("old_torch", [False, True])
+def test_launcher_args_parse_on_this_torch_and_on_one_without_shutdown_timeout(monkeypatch, capsys, old_torch):  # fmt: skip
+    calls = _launched(monkeypatch, _torch_2_11_parser() if old_torch else None, SignalException("stop", signal.SIGTERM))  # fmt: skip
+    assert launch.launch(2, ["--config", "configs/debug.toml"], DistConfig()) == 0
+    (args,) = calls
+    assert f"--signals-to-handle={','.join(launch.FORWARDED)}" in args
+    has = not old_torch and any("--shutdown-timeout" in a.option_strings for a in torch_run.get_args_parser()._actions)  # fmt: skip
+    assert any(a.startswith("--shutdown-timeout") for a in args) is has
+    grace = launch.SHUTDOWN_S if has else launch.TORCH_SHUTDOWN_S
+    err = capsys.readouterr().err
+    assert f"given up to {grace} s to save" in err and err.count("\n") == 1
