@@ -2,7 +2,7 @@
 
     benchmarks/gpu_check.sh              # on a CUDA machine: every GPU of the node
     benchmarks/gpu_check.sh --dry-run    # CPU, tiny models, 2 gloo ranks, no compile row:
-                                         # checks the script itself (tests/test_fsdp.py)
+                                         # checks the script itself (tests/test_gpu_check.py)
     benchmarks/gpu_check.sh --rows 0,4   # only these rows (and the runs they compare with)
 
 Each row is printed as soon as it is done ("gpu_check: done: ...", with its seconds), the whole
@@ -95,7 +95,6 @@ class Check:
         self.gpus = 2 if dry else torch.cuda.device_count()
         self.device = "cpu" if dry else "cuda"
         self.rows: list[tuple[str, str, str, str]] = []  # check, result, verdict, seconds
-        self.clock = time.perf_counter()
         self.data = self.prepare_data()
 
     def prepare_data(self) -> Path:
