@@ -178,28 +178,33 @@ class Check:
         steps = 4 if self.dry else 30
         every = max(steps // 6, 1)  # the FSDP2 run's checkpoints (dry: one a step)
         n, runs = self.gpus, {}
+        extras = {  # the GPT-2 124M runs; the FSDP2 one saves checkpoints: row 3's uninterrupted run
+            "one_False": ["train.compile=false"],
+            "one_True": ["train.compile=true"],
+            "ddp": ["dist.mode=ddp"],
+            "fsdp": ["dist.mode=fsdp", f"checkpoint.every={every}"],
+        }
 
-        def once(name: str, *extra: str) -> dict:  # a training run, trained once
+        def once(name: str) -> dict:  # a training run, trained once
             if name not in runs:
-                runs[name] = self.train(name, 1 if name.startswith("one_") else n, self.overrides(name, "gpt2", steps, *extra))  # fmt: skip
+                runs[name] = self.train(name, 1 if name.startswith("one_") else n, self.overrides(name, "gpt2", steps, *extras[name]))  # fmt: skip
             return runs[name]
 
         if 0 in rows:
             self.add(*self.throughput())
         for compile in (False,) if self.dry else (False, True):  # CPU inductor: minutes
             if 1 in rows:
-                r = once(f"one_{compile}", f"train.compile={str(compile).lower()}")
+                r = once(f"one_{compile}")
                 self.add(f"GPT-2 124M, 1 {self.device}, compile {'on' if compile else 'off'}", f"{r['tok_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%}", f"peak {r['peak_mib']:,.0f} MiB")  # fmt: skip
         tol = 1e-4 if self.dry else 2e-2
-        for mode in ("ddp", "fsdp"):  # the FSDP2 run saves checkpoints: row 3's uninterrupted run
+        for mode in ("ddp", "fsdp"):
             if 2 in rows:
-                ref = once("one_False", "train.compile=false")["train_loss"]
-                saves = [f"checkpoint.every={every}"] if mode == "fsdp" else []
-                r = once(mode, f"dist.mode={mode}", *saves)
+                ref = once("one_False")["train_loss"]
+                r = once(mode)
                 ok = abs(r["train_loss"] - ref) <= tol * abs(ref)
                 self.add(f"GPT-2 124M, {mode.upper()} x {n}", f"loss {r['train_loss']:.4f} vs 1 {self.device} {ref:.4f}", "OK" if ok else "MISMATCH")  # fmt: skip
         if 3 in rows:
-            once("fsdp", "dist.mode=fsdp", f"checkpoint.every={every}")
+            once("fsdp")
             self.add(*self.kill_and_resume(n, steps, every))
         if 4 in rows:  # two sharded saves, the older deleted: GPT-2 XL's ~19 GB of weights and
             # AdamW state once or twice on the node's disk, not keep_last's 3
@@ -257,10 +262,9 @@ def main() -> int:
     if a.worker:
         worker(a.worker, [o.removeprefix("--") for o in rest])
         return 0
-    try:
-        rows = {int(r) for r in a.rows.split(",")}
-        assert rows and rows <= {0, 1, 2, 3, 4}
-    except (ValueError, AssertionError):
+    parts = a.rows.split(",")
+    rows = {int(r) for r in parts if r.isdigit()}
+    if len(rows) < len(set(parts)) or not rows <= {0, 1, 2, 3, 4}:
         print(f"gpu_check: --rows {a.rows!r}: give row numbers from 0 to 4, comma-separated (e.g. 0,4)")  # fmt: skip
         return 2
     import torch

@@ -141,8 +141,9 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
     # SIGTERM and SIGUSR1 (preemption, see guard.py) are forwarded to the workers, which save at
     # their next step; they get SHUTDOWN_S seconds before the launcher kills them (where this
     # torch has the options; else SIGTERM only, and torch's own 30 s)
-    handling = supported([f"--signals-to-handle={','.join(FORWARDED)}", f"--shutdown-timeout={SHUTDOWN_S}"])  # fmt: skip
-    grace = SHUTDOWN_S if any(o.startswith("--shutdown-timeout") for o in handling) else TORCH_SHUTDOWN_S  # fmt: skip
+    shutdown = f"--shutdown-timeout={SHUTDOWN_S}"
+    handling = supported([f"--signals-to-handle={','.join(FORWARDED)}", shutdown])
+    grace = SHUTDOWN_S if shutdown in handling else TORCH_SHUTDOWN_S
     args += handling
     args += [f"--nproc_per_node={nproc}", "-m", "gptrain", "train", *argv]
     try:
