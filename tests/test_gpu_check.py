@@ -36,7 +36,9 @@ def test_gpu_check_dry_run_prints_its_table(monkeypatch, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
     assert len(rows) == 6, out
     cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
-    assert [c[2] for c in cells[0:1] + cells[2:5]] == ["OK"] * 4, out
+    assert [c[2] for c in cells[0:1] + cells[2:4]] == ["OK"] * 3, out
+    assert cells[4][2] == "OK, bit for bit", out  # on a CPU the resume is exact
+    assert "dtype float32 (config), attention " in rows[1], out
     assert all(c[3].endswith(" s") and float(c[3][:-2]) >= 0 for c in cells), out
     assert out.count("gpu_check: done: ") == 6, out  # each row printed when it was done
     assert "vocab 50257" in rows[0] and "tok/s, MFU" in rows[0]
@@ -53,19 +55,22 @@ def test_gpu_check_on_this_gpu_node():
     assert "MISMATCH" not in done.stdout, done.stdout
 
 
-def _fake_check(monkeypatch):
-    """A Check whose training runs are recorded, not run: (name, nproc, overrides) each."""
+def _fake_check(monkeypatch, diff=0.0, noise=0.0):
+    """A Check whose training runs are recorded, not run: (name, nproc, overrides) each; `diff`
+    the resumed run's weight difference, `noise` two uninterrupted runs'."""
     check = gpu_check.Check.__new__(gpu_check.Check)
     check.dry, check.gpus, check.device, check.rows, check.data = True, 2, "cpu", [], h.REPO
     check.work, trained = h.REPO / "unused", []
 
     def train(name, nproc, overrides, kill_after_ckpt=False):
         trained.append((name, nproc, overrides))
-        return {"train_loss": 2.0, "tok_per_s": 1.0, "mfu": 0.5, "peak_mib": 1.0, "save_s": [1.0]}
+        choices = {"dtype": "bfloat16", "attention": "sdpa", "how": {"dtype": "rule", "attention": "measured"}, "block_ms": {"bfloat16/sdpa": 1.5, "bfloat16/matmul": 4.0}}  # fmt: skip
+        return {"train_loss": 2.0, "tok_per_s": 1.0, "mfu": 0.5, "peak_mib": 1.0, "save_s": [1.0], "speed_choices": choices}  # fmt: skip
 
     monkeypatch.setattr(check, "train", train)
     monkeypatch.setattr(check, "throughput", lambda: ("bench", "1 tok/s", "OK"))
-    monkeypatch.setattr(check, "kill_and_resume", lambda n, steps, every: ("resume", "0", "OK"))
+    monkeypatch.setattr(check, "kill_and_resume", lambda n, steps, every: ("step_00000001", diff))
+    monkeypatch.setattr(check, "weight_diff", lambda a, b: noise if {a, b} == {"fsdp", "fsdp_again"} else None)  # fmt: skip
     return check, trained
 
 
@@ -75,9 +80,9 @@ def _fake_check(monkeypatch):
         ({0}, []),
         ({1}, ["one_False"]),
         ({2}, ["one_False", "ddp", "fsdp"]),
-        ({3}, ["fsdp"]),
+        ({3}, ["fsdp", "fsdp_again"]),
         ({4}, ["xl"]),
-        ({0, 1, 2, 3, 4}, ["one_False", "ddp", "fsdp", "xl"]),
+        ({0, 1, 2, 3, 4}, ["one_False", "ddp", "fsdp", "fsdp_again", "xl"]),
     ],
 )
 def test_rows_train_only_what_they_need_once(monkeypatch, capsys, rows, runs):
@@ -90,6 +95,9 @@ def test_rows_train_only_what_they_need_once(monkeypatch, capsys, rows, runs):
         assert nproc == (1 if name.startswith("one_") else 2)
         if name == "fsdp":  # row 3 resumes against this run: the same checkpoints either way
             assert "dist.mode=fsdp" in overrides and "checkpoint.every=1" in overrides
+        if name == "fsdp_again":  # the noise floor: the same run, in its own folder
+            same = [o for o in dict((t[0], t[2]) for t in trained)["fsdp"] if not o.startswith("run.dir=")]  # fmt: skip
+            assert [o for o in overrides if not o.startswith("run.dir=")] == same
         if name == "xl":  # GPT-2 XL's ~19 GB of state at most twice on the disk
             assert "checkpoint.keep_last=1" in overrides and "train.max_steps=2" in overrides
 
@@ -100,3 +108,30 @@ def test_bad_rows_are_one_line_and_exit_2(monkeypatch, capsys, rows):
     assert gpu_check.main() == 2
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "--rows" in out and "0 to 4" in out
+
+
+@pytest.mark.parametrize(
+    "diff, noise, verdict",
+    [
+        (0.0, 0.0, "OK, bit for bit"),
+        (0.0, 3e-3, "OK, bit for bit"),
+        (5e-3, 3e-3, "OK, within the noise"),
+        (5e-3, 0.0, "MISMATCH"),  # deterministic kernels: a resume must then be exact
+        (7e-3, 3e-3, "MISMATCH"),
+    ],
+)
+def test_resume_row_is_judged_against_the_run_to_run_noise(monkeypatch, capsys, diff, noise, verdict):  # fmt: skip
+    check, _ = _fake_check(monkeypatch, diff, noise)
+    check.run({3})
+    (row,) = check.rows
+    assert row[2] == verdict and f"{diff:.2e}" in row[1] and f"{noise:.2e}" in row[1]
+
+
+def test_the_single_gpu_row_shows_the_speed_choices(monkeypatch, capsys):
+    check, _ = _fake_check(monkeypatch)
+    check.run({1})
+    (row,) = check.rows
+    assert (
+        "dtype bfloat16 (rule)" in row[1]
+        and "attention sdpa (measured: bfloat16/sdpa 1.5 ms" in row[1]
+    )
