@@ -55,22 +55,31 @@ def test_gpu_check_on_this_gpu_node():
     assert "MISMATCH" not in done.stdout, done.stdout
 
 
-def _fake_check(monkeypatch, diff=0.0, noise=0.0):
+def _fake_check(monkeypatch, diff=0.0, noise=0.0, fail=()):
     """A Check whose training runs are recorded, not run: (name, nproc, overrides) each; `diff`
-    the resumed run's weight difference, `noise` two uninterrupted runs'."""
+    the resumed run's weight difference, `noise` two uninterrupted runs', `fail` the runs whose
+    command fails (as Check.train reports it: SystemExit with the log's tail)."""
     check = gpu_check.Check.__new__(gpu_check.Check)
     check.dry, check.gpus, check.device, check.rows, check.data = True, 2, "cpu", [], h.REPO
     check.work, trained = h.REPO / "unused", []
 
     def train(name, nproc, overrides, kill_after_ckpt=False):
         trained.append((name, nproc, overrides))
+        if name in fail:
+            raise SystemExit(
+                f"failed: torchrun ... {name}\nTraceback ...\nRuntimeError: {name} broke\n"
+            )
         choices = {"dtype": "bfloat16", "attention": "sdpa", "how": {"dtype": "rule", "attention": "measured"}, "block_ms": {"bfloat16/sdpa": 1.5, "bfloat16/matmul": 4.0}}  # fmt: skip
         return {"train_loss": 2.0, "tok_per_s": 1.0, "mfu": 0.5, "peak_mib": 1.0, "save_s": [1.0], "speed_choices": choices}  # fmt: skip
 
+    def kill_and_resume(n, steps, extra):
+        train("resume_cut", n, check.overrides("resume_cut", "gpt2", steps, *extra))
+        return "step_00000001", diff
+
     monkeypatch.setattr(check, "train", train)
-    monkeypatch.setattr(check, "throughput", lambda: ("bench", "1 tok/s", "OK"))
-    monkeypatch.setattr(check, "kill_and_resume", lambda n, steps, every: ("step_00000001", diff))
-    monkeypatch.setattr(check, "weight_diff", lambda a, b: noise if {a, b} == {"fsdp", "fsdp_again"} else None)  # fmt: skip
+    monkeypatch.setattr(check, "throughput", lambda: ("1 tok/s", "OK"))
+    monkeypatch.setattr(check, "kill_and_resume", kill_and_resume)
+    monkeypatch.setattr(check, "weight_diff", lambda a, b: noise if {a, b} == {"exact", "exact_again"} else None)  # fmt: skip
     return check, trained
 
 
@@ -80,24 +89,23 @@ def _fake_check(monkeypatch, diff=0.0, noise=0.0):
         ({0}, []),
         ({1}, ["one_False"]),
         ({2}, ["one_False", "ddp", "fsdp"]),
-        ({3}, ["fsdp", "fsdp_again"]),
+        ({3}, ["exact", "resume_cut"]),
         ({4}, ["xl"]),
-        ({0, 1, 2, 3, 4}, ["one_False", "ddp", "fsdp", "fsdp_again", "xl"]),
+        ({0, 1, 2, 3, 4}, ["one_False", "ddp", "fsdp", "exact", "resume_cut", "xl"]),
     ],
 )
 def test_rows_train_only_what_they_need_once(monkeypatch, capsys, rows, runs):
     check, trained = _fake_check(monkeypatch)
     check.run(rows)
-    assert [t[0] for t in trained] == runs
+    assert [t[0] for t in trained] == runs and not check.failed
     assert len(check.rows) == len(capsys.readouterr().out.splitlines())  # each printed when done
     assert len(check.rows) == sum({0: 1, 1: 1, 2: 2, 3: 1, 4: 1}[r] for r in rows)
+    configs = {name: [o for o in overrides if not o.startswith("run.dir=")] for name, _, overrides in trained}  # fmt: skip
     for name, nproc, overrides in trained:
         assert nproc == (1 if name.startswith("one_") else 2)
-        if name == "fsdp":  # row 3 resumes against this run: the same checkpoints either way
-            assert "dist.mode=fsdp" in overrides and "checkpoint.every=1" in overrides
-        if name == "fsdp_again":  # the noise floor: the same run, in its own folder
-            same = [o for o in dict((t[0], t[2]) for t in trained)["fsdp"] if not o.startswith("run.dir=")]  # fmt: skip
-            assert [o for o in overrides if not o.startswith("run.dir=")] == same
+        if name == "exact":  # row 3: deterministic kernels, checkpoints to resume from
+            assert {"dist.mode=fsdp", "checkpoint.every=1", "train.deterministic=true"} <= set(overrides)  # fmt: skip
+            assert configs["resume_cut"] == configs["exact"]  # the resumed run is the same run
         if name == "xl":  # GPT-2 XL's ~19 GB of state at most twice on the disk
             assert "checkpoint.keep_last=1" in overrides and "train.max_steps=2" in overrides
 
@@ -113,25 +121,36 @@ def test_bad_rows_are_one_line_and_exit_2(monkeypatch, capsys, rows):
 @pytest.mark.parametrize(
     "diff, noise, verdict",
     [
-        (0.0, 0.0, "OK, bit for bit"),
-        (0.0, 3e-3, "OK, bit for bit"),
-        (5e-3, 3e-3, "OK, within the noise"),
-        (5e-3, 0.0, "MISMATCH"),  # deterministic kernels: a resume must then be exact
+        (0.0, None, "OK, bit for bit"),  # exact: no second run needed
+        (5e-3, 3e-3, "OK, within the run-to-run noise"),
+        (5e-3, 0.0, "MISMATCH"),  # the kernels were deterministic: the resume changed something
         (7e-3, 3e-3, "MISMATCH"),
     ],
 )
 def test_resume_row_is_judged_against_the_run_to_run_noise(monkeypatch, capsys, diff, noise, verdict):  # fmt: skip
-    check, _ = _fake_check(monkeypatch, diff, noise)
+    check, trained = _fake_check(monkeypatch, diff, noise)
     check.run({3})
     (row,) = check.rows
-    assert row[2] == verdict and f"{diff:.2e}" in row[1] and f"{noise:.2e}" in row[1]
+    assert row[2] == verdict and f"{diff:.2e}" in row[1]
+    assert ("exact_again" in [t[0] for t in trained]) == (noise is not None)
+    if noise is not None:
+        assert f"two uninterrupted runs {noise:.2e}" in row[1]
 
 
 def test_the_single_gpu_row_shows_the_speed_choices(monkeypatch, capsys):
     check, _ = _fake_check(monkeypatch)
     check.run({1})
     (row,) = check.rows
-    assert (
-        "dtype bfloat16 (rule)" in row[1]
-        and "attention sdpa (measured: bfloat16/sdpa 1.5 ms" in row[1]
-    )
+    assert "dtype bfloat16 (rule)" in row[1] and "attention sdpa (measured: bfloat16/sdpa 1.5 ms" in row[1]  # fmt: skip
+
+
+def test_a_failed_command_is_a_failed_row_and_the_next_rows_still_run(monkeypatch, capsys):
+    """one_False fails: row 1 and both row 2 rows (which compare with it) are FAILED with the
+    command's last line, trained once; rows 3 and 4 still run; the script will exit 1."""
+    check, trained = _fake_check(monkeypatch, fail={"one_False"})
+    check.run({1, 2, 3, 4})
+    verdicts = [r[2] for r in check.rows]
+    assert verdicts == ["FAILED", "FAILED", "FAILED", "OK, bit for bit", "sharded checkpoint save 1.0 s"]  # fmt: skip
+    assert all(r[1] == "failed: RuntimeError: one_False broke" for r in check.rows[:3])
+    assert [t[0] for t in trained] == ["one_False", "exact", "resume_cut", "xl"] and check.failed
+    assert "Traceback" in capsys.readouterr().err  # the whole log, for the person reading it

@@ -1,12 +1,19 @@
 """Precision: the dtype `auto` gives per device (measured on CPUs, a rule on GPUs), autocast /
 GradScaler per dtype, TF32 on CUDA only."""
 
+import os
+
 import pytest
 import torch
 
 from gptrain.errors import UserError
 from gptrain.training import precision
-from gptrain.training.precision import mixed_precision, resolve_dtype, set_matmul_precision
+from gptrain.training.precision import (
+    mixed_precision,
+    resolve_dtype,
+    set_determinism,
+    set_matmul_precision,
+)
 
 
 @pytest.mark.parametrize("measured", ["bfloat16", "float32"])
@@ -78,3 +85,22 @@ def test_tf32_is_set_on_cuda_and_never_on_cpu():
         assert torch.get_float32_matmul_precision() == "highest"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_determinism_is_set_and_unset_and_keeps_a_given_cublas_config(monkeypatch):
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)  # fmt: skip
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        set_determinism(True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        set_determinism(False)
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert not torch.backends.cudnn.deterministic
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own value wins
+        set_determinism(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:]

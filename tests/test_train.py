@@ -223,3 +223,33 @@ def test_attention_auto_takes_the_measured_kernel_and_an_explicit_one_wins():
     assert attention_kernel("auto", "sdpa") == "sdpa"
     assert attention_kernel("sdpa", "matmul") == "sdpa"
     assert attention_kernel("matmul", "sdpa") == "matmul"
+
+
+def test_deterministic_run_equals_the_default_one_on_a_cpu_and_resumes_bit_for_bit(byte_data, tmp_path):  # fmt: skip
+    """train.deterministic = true: torch's deterministic kernels for the run (it asks for them
+    before its first matmul). CPU kernels already are, so the weights equal the default run's bit
+    for bit, and a resumed deterministic run equals its uninterrupted twin bit for bit (on a GPU
+    the flag is what makes this hold: benchmarks/gpu_check.py row 3)."""
+    common = ["train.max_steps=6", "eval.every=0", "eval.sample_every=0", "checkpoint.every=3"]
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        run(byte_data, tmp_path / "default", *common)
+        assert not torch.are_deterministic_algorithms_enabled()
+        run(byte_data, tmp_path / "det", *common, "train.deterministic=true")
+        assert torch.are_deterministic_algorithms_enabled()  # process-wide, set by each run
+        assert os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        cut = tmp_path / "cut"
+        run(byte_data, cut, *common, "train.deterministic=true")
+        shutil.rmtree(cut / "checkpoints" / "step_00000006")  # as if killed after step 3's save
+        (cut / "checkpoints" / "latest").write_text("step_00000003")
+        run(byte_data, cut, *common, "train.deterministic=true")
+        want = weights(tmp_path / "default")
+        for name in ("det", "cut"):
+            got = weights(tmp_path / name)
+            assert all(torch.equal(got[k], want[k]) for k in want), name
+        assert (
+            "resumed from" in (cut / "train.log").read_text()
+            and "deterministic kernels" in (cut / "train.log").read_text()
+        )
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -123,6 +123,10 @@ class TrainConfig:
         True,
         "on CUDA, float32 matmuls may use TensorFloat-32 (Ampere and newer): much faster, ~3 significant digits; MFU's measured peak uses the same setting",
     )
+    deterministic: bool = opt(
+        False,
+        "kernels that give the same bits on every run (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): on a GPU, where atomics add in a varying order, a resumed run then equals an uninterrupted one bit for bit (slower); CPU kernels already do",
+    )
     seed: int = opt(1337, "seed for initialisation, data order and dropout")
     device: str = opt(
         "auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda")

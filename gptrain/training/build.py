@@ -14,7 +14,12 @@ from gptrain.errors import UserError
 from gptrain.training import batch
 from gptrain.training.choices import Choices, for_run
 from gptrain.training.halves import Halves, ineligible
-from gptrain.training.precision import mixed_precision, resolve_dtype, set_matmul_precision
+from gptrain.training.precision import (
+    mixed_precision,
+    resolve_dtype,
+    set_determinism,
+    set_matmul_precision,
+)
 
 
 def build_model(cfg: Config, vocab_size: int, saved_arch: dict | None = None, meta: bool = False):
@@ -134,6 +139,7 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
         if why:
             raise UserError(f"train.micro_split = 'halves' but {why}; use train.micro_split=none")
         halves = Halves()
+    set_determinism(cfg.train.deterministic)  # before the first matmul (cuBLAS reads its config)
     torch.manual_seed(cfg.train.seed)
     fsdp = parallelize.shards(cfg.dist, info)
     # pretrained weights (not resuming) are loaded whole on every rank, then sharded

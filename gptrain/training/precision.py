@@ -8,10 +8,12 @@ MEASURED (gptrain/training/choices.py times one block of the run's shapes in flo
 hands the faster one to resolve_dtype); nothing here reads CPU flags. FSDP2 runs under the same
 autocast as DDP (its MixedPrecisionPolicy only lowers the blocks' parameters, see
 parallelize.wrap_model). On CUDA, float32 matmuls use TensorFloat-32 unless `train.tf32 = false`.
+`train.deterministic = true` asks torch for deterministic kernels everywhere (set_determinism).
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -64,3 +66,17 @@ def set_matmul_precision(device_type: str, tf32: bool) -> None:
     TF32 tensor cores, or not. A process-wide setting; CPU runs are left at full float32."""
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
+
+
+def set_determinism(on: bool) -> None:
+    """train.deterministic: torch's deterministic kernels (an op that has none raises, naming
+    itself), or its default, fastest ones. A process-wide setting, set by every run. cuBLAS needs
+    a fixed workspace configuration for deterministic results; it reads CUBLAS_WORKSPACE_CONFIG
+    when its first handle is made, so this runs before the run's first matmul (a value already
+    in the environment wins). cuDNN's autotuner picks kernels by timing: off."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    if on:
+        torch.backends.cudnn.benchmark = False

@@ -252,7 +252,7 @@ def _start_logging(run: Run, warnings: list[str]) -> None:
             run.logger.echo = run.bar.write
     run.logger.text(
         f"{'resumed from ' + str(run.ckpt) if run.ckpt else 'starting'}: {run.model.num_params():,} parameters, world size {info.world_size}, "
-        f"micro-batch {run.mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {run.accum}{' (each micro-batch in halves on two threads)' if run.halves else ''}, {t.total_batch_size:,} tokens/step, dtype {str(run.ptdtype).removeprefix('torch.')}, "
+        f"micro-batch {run.mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {run.accum}{' (each micro-batch in halves on two threads)' if run.halves else ''}, {t.total_batch_size:,} tokens/step, dtype {str(run.ptdtype).removeprefix('torch.')}{' (deterministic kernels)' * t.deterministic}, "
         f"device {info.device}, measured peak {format_flops(run.peak)}{' (cached)' * run.peak_cached}; {run.choices.line()}"
     )
     # the speed-choice cache's (choices and peak), and damaged newer checkpoints resume skipped
