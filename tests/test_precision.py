@@ -10,6 +10,7 @@ from gptrain.errors import UserError
 from gptrain.training import precision
 from gptrain.training.precision import (
     mixed_precision,
+    nondeterministic_op,
     resolve_dtype,
     set_determinism,
     set_matmul_precision,
@@ -104,3 +105,17 @@ def test_determinism_is_set_and_unset_and_keeps_a_given_cublas_config(monkeypatc
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:]
+
+
+def test_nondeterministic_op_names_the_op_or_says_one_line_and_ignores_other_errors():
+    cublas = RuntimeError(
+        "Deterministic behavior was enabled with either `torch.use_deterministic_algorithms(True)` or "
+        "`at::Context::setDeterministicAlgorithms(true)`, but this operation is not deterministic because "
+        "it uses CuBLAS and you have CUDA >= 10.2.\nTo enable deterministic behavior in this case, you must "
+        "set an environment variable before running your PyTorch application: CUBLAS_WORKSPACE_CONFIG=:4096:8"
+    )
+    line = nondeterministic_op(cublas)
+    assert line and "\n" not in line and "an operation has no deterministic kernel" in line
+    op = RuntimeError("context line\nscatter_add_cuda_kernel does not have a deterministic implementation, but you set 'torch.use_deterministic_algorithms(True)'.")  # fmt: skip
+    assert "scatter_add_cuda_kernel has no deterministic kernel" in nondeterministic_op(op)
+    assert nondeterministic_op(RuntimeError("CUDA out of memory")) is None

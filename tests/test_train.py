@@ -253,3 +253,28 @@ def test_deterministic_run_equals_the_default_one_on_a_cpu_and_resumes_bit_for_b
         )
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_an_op_without_a_deterministic_kernel_is_one_line_and_exit_2(byte_data, tmp_path, capsys, monkeypatch):  # fmt: skip
+    """train.deterministic = true on a device where an op has no deterministic kernel (torch
+    raises; no CPU op of a run does, so the error is torch's text for a CUDA one): one line
+    naming the op and the fix, exit code 2. Without the flag the same error is not swallowed."""
+    import gptrain.commands.train as command
+
+    torch_error = RuntimeError(
+        "avg_pool3d_backward_cuda does not have a deterministic implementation, but you set "
+        "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this "
+        "operation, or you can use the 'warn_only=True' option, if that's acceptable for your application."
+    )
+
+    def fails(cfg, info):
+        raise torch_error
+
+    monkeypatch.setattr(command, "train", fails)
+    args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}"]
+    assert cli([*args, "--train.deterministic=true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "avg_pool3d_backward_cuda has no deterministic kernel" in err
+    assert "train.deterministic=false" in err
+    with pytest.raises(RuntimeError, match="avg_pool3d"):
+        cli(args)

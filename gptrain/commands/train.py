@@ -34,6 +34,7 @@ from gptrain.training import attempts, batch, saving
 from gptrain.training import run as phases
 from gptrain.training.guards import NonFiniteStop, Preemption
 from gptrain.training.optim import lr_at, set_lr
+from gptrain.training.precision import nondeterministic_op
 from gptrain.training.step import train_step
 
 
@@ -234,6 +235,9 @@ def main(argv: list[str]) -> int:
         print(f"gptrain: error: {e}", file=sys.stderr)
         return 1
     except RuntimeError as e:  # a dead or stuck peer: one line naming rank and operation, exit 1
+        if cfg.train.deterministic and (line := nondeterministic_op(e)):  # the config, this device
+            print(f"gptrain: error: {line}", file=sys.stderr)
+            return 2
         failure = failures.failure(e, info) if dist.active() else None
         if failure is None:
             raise

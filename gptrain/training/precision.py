@@ -80,3 +80,16 @@ def set_determinism(on: bool) -> None:
     torch.backends.cudnn.deterministic = on
     if on:
         torch.backends.cudnn.benchmark = False
+
+
+def nondeterministic_op(e: BaseException) -> str | None:
+    """The one line for torch's error when train.deterministic = true meets an op that has no
+    deterministic kernel on this device ("<op> does not have a deterministic implementation, but
+    you set 'torch.use_deterministic_algorithms(True)'..."); None for any other error."""
+    text = str(e)
+    if "use_deterministic_algorithms" not in text:
+        return None
+    what = "an operation has no deterministic kernel on this device"  # e.g. cuBLAS's own check
+    if (phrase := " does not have a deterministic implementation") in text:
+        what = f"{text.split(phrase)[0].strip().splitlines()[-1]} has no deterministic kernel on this device"  # fmt: skip
+    return f"train.deterministic = true, but {what}; use train.deterministic=false (resumes are then exact up to the kernels' run-to-run noise)"  # fmt: skip
