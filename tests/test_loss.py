@@ -183,3 +183,39 @@ def test_per_token_losses_equal_plain_cross_entropy_without_reduction(chunk_rows
     torch.testing.assert_close(per_token, ref, rtol=1e-6, atol=1e-6)
     assert torch.all(per_token[targets == -1] == 0)
     torch.testing.assert_close(per_token.sum() / (targets != -1).sum(), mean)
+
+
+def test_a_compiled_loss_takes_at_most_max_compiled_chunks(monkeypatch):
+    """torch.compile unrolls the chunk loop (its compile time grows with the chunks): while it
+    traces, the rows per chunk grow so that there are at most MAX_COMPILED_CHUNKS. Counted in the
+    graph torch.compile hands its backend (one logsumexp per chunk), and the compiled loss and
+    gradients still equal eager's 48 one-row chunks."""
+    from gptrain.model import losses
+
+    assert losses.chunk_rows(65536, 50304) == 667  # GPT-2's vocabulary: 128 MiB float32 logits
+    model = make()
+    model.loss_chunk_rows = 1  # eager: 48 chunks of one row
+    idx, targets = batch()
+    ref_loss, ref = loss_and_grads(model, lambda: model(idx, targets)[1])
+
+    def chunks_in_graph() -> tuple[int, torch.Tensor, dict]:
+        seen = []
+
+        def backend(gm, example_inputs):  # the traced graph, run as it is
+            graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+            seen.append(sum(n.target is torch.logsumexp for g in graphs for n in g.nodes))
+            return gm.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        loss, grads = loss_and_grads(model, lambda: compiled(idx, targets)[1])
+        return seen[0], loss, grads
+
+    n, loss, got = chunks_in_graph()
+    assert n == losses.MAX_COMPILED_CHUNKS == 8
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    monkeypatch.setattr(losses, "MAX_COMPILED_CHUNKS", 1000)  # no cap: the loop unrolled whole
+    assert chunks_in_graph()[0] == 48
+    torch._dynamo.reset()

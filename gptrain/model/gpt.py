@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptrain.model.attention import matmul_attention
-from gptrain.model.losses import LOSS_CHUNK_ELEMENTS, chunked_loss, linear_cross_entropy
+from gptrain.model.losses import chunk_rows, chunked_loss, linear_cross_entropy
 
 
 @dataclass
@@ -164,7 +164,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one Parameter, two names
-        self.loss_chunk_rows: int | None = None  # None: LOSS_CHUNK_ELEMENTS // padded vocab
+        self.loss_chunk_rows: int | None = None  # None: losses.chunk_rows's default
         self.init_weights()
 
     def set_attention(self, impl: str) -> None:
@@ -203,8 +203,7 @@ class GPT(nn.Module):
             x = block(x)
         x = self.transformer.ln_f(x)
         if targets is not None:
-            rows = max(1, LOSS_CHUNK_ELEMENTS // self.config.padded_vocab_size)
-            rows = rows if self.loss_chunk_rows is None else self.loss_chunk_rows
+            rows = chunk_rows(targets.numel(), self.config.padded_vocab_size, self.loss_chunk_rows)
             if reduction == "none":
                 per_token = torch.zeros(targets.numel(), dtype=torch.float32, device=x.device)
                 with torch.no_grad():

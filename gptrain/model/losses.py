@@ -16,6 +16,20 @@ IGNORE_INDEX = -1  # targets with this value are left out of the loss
 # Rows per loss chunk = LOSS_CHUNK_ELEMENTS // padded vocab: one chunk's float32 logits are 128 MiB
 # (GPT-2: 667 rows). Large enough to keep matmuls efficient, small next to the activations.
 LOSS_CHUNK_ELEMENTS = 2**25
+# torch.compile unrolls the chunk loop into its graph, and the compile time grows with the chunks
+# (measured on an AVX2 EPYC, 2 layers, vocab 50257: 31.8 s with 1 chunk, 35.5 s with 4, 53.5 s
+# with 8, 121.5 s with 32; GPT-2 124M's 64 x 1024 micro-batch has 99): a compiled loss takes at
+# most this many chunks, each then at most 1/8 of the full logits (docs/benchmarks.md).
+MAX_COMPILED_CHUNKS = 8
+
+
+def chunk_rows(n_rows: int, padded_vocab: int, rows: int | None = None) -> int:
+    """Rows per loss chunk for n_rows rows: `rows`, else LOSS_CHUNK_ELEMENTS // padded_vocab; while
+    torch.compile traces, enough for at most MAX_COMPILED_CHUNKS chunks."""
+    rows = rows or max(1, LOSS_CHUNK_ELEMENTS // padded_vocab)
+    if torch.compiler.is_compiling():
+        rows = max(rows, -(-n_rows // MAX_COMPILED_CHUNKS))
+    return rows
 
 
 def linear_cross_entropy(
