@@ -24,11 +24,11 @@ Rows (each a real `gptrain` command, started the way a user starts it):
      be no further from it than that second run is (at most 2x: kernels that add in a varying
      order, such as atomics, make two identical runs differ; session 20 measured 5.4e-3 on an
      H100 without the flag)
-A row whose command fails is printed FAILED with the command's last line (its whole log to
-stderr), the next row runs, and the script exits 1.
   4. GPT-2 XL (48 x 1600) under FSDP2 with activation checkpointing: peak memory per GPU and the
      wall time of one sharded checkpoint save (2 steps, a save each, keep_last 1: ~19 GB of
      weights and AdamW state at most twice on the node's disk)
+A row whose command fails is printed FAILED with the command's last line (its whole log to
+stderr), the next row runs, and the script exits 1.
 Rows 1-4 train on this machine's own Python sources (torch's), byte-tokenised by `gptrain prepare`:
 the node needs no network. Their vocabulary is therefore 257 (GPT-2's 50257 adds 38M embedding
 parameters); the architecture is GPT-2's. Row 0 needs no data.
