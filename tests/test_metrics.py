@@ -31,13 +31,13 @@ def test_measured_peak_is_a_real_matmul_rate_and_leaves_global_rng_alone():
 
 def _count_matmuls(monkeypatch) -> list:
     calls = []
-    real = torch.Tensor.__matmul__
+    real = torch.mm
 
     def counted(a, b):
         calls.append((a.shape[0], a.shape[1], b.shape[1]))
         return real(a, b)
 
-    monkeypatch.setattr(torch.Tensor, "__matmul__", counted)
+    monkeypatch.setattr(torch, "mm", counted)
     return calls
 
 
@@ -56,6 +56,20 @@ def test_every_dtype_is_timed_the_same_way_in_complete_runs(monkeypatch, dtype):
     assert peak > 0 and not format_flops(peak).startswith("0")
     if dtype == torch.float16:  # on CPUs without AVX512-FP16 float16 is slow
         assert len(shapes) < len(PEAK_SHAPES["cpu"])
+
+
+def test_each_timed_run_repeats_its_product_for_min_run_s(monkeypatch):
+    """What a GPU gets (min_run_s 0.02 there: one product takes ~1 ms): each timed run repeats
+    its product for at least min_run_s, the same count in every run of a shape, and the peak is
+    per product, so it agrees with one-product runs (within this shared CPU's noise)."""
+    calls = _count_matmuls(monkeypatch)
+    one = measure_peak_flops("cpu", torch.float32, runs=2, max_run_s=0.05)
+    assert len(calls) == 3 * len(set(calls))  # CPU default: a warm-up and 2 single products
+    calls.clear()
+    repeated = measure_peak_flops("cpu", torch.float32, runs=2, max_run_s=0.05, min_run_s=0.05)
+    per_shape = [calls.count(shape) for shape in dict.fromkeys(calls)]
+    assert all(c >= 5 and (c - 1) % 2 == 0 for c in per_shape), per_shape  # 1 + 2 x reps, reps > 1
+    assert one / 3 < repeated < one * 3
 
 
 def test_emulated_bf16_peak_on_the_avx2_tier_is_measured_and_printed():

@@ -35,31 +35,45 @@ PEAK_SHAPES = {
 }
 
 
-def measure_peak_flops(device: str, dtype: torch.dtype, runs: int = 3, max_run_s: float = 0.5) -> float:  # fmt: skip
+def measure_peak_flops(device: str, dtype: torch.dtype, runs: int = 3, max_run_s: float = 0.5, min_run_s: float | None = None) -> float:  # fmt: skip
     """Peak FLOP/s of this device in `dtype`: the fastest of PEAK_SHAPES, each timed the same way
-    for every dtype: one warm-up run, then `runs` complete timed runs, the best kept. The shapes
-    go smallest first; a shape whose run would take longer than `max_run_s` at the best rate seen
-    so far ends the list, so a slow dtype is measured on the shapes it completes (never a fraction
-    of a run, never a number that rounds to 0): ~1 s on 2 cores for any dtype. MFU divides by
-    this measured number, never a datasheet's."""
+    for every dtype: one warm-up product, then `runs` complete timed runs, the best kept. The
+    shapes go smallest first; a shape whose product would take longer than `max_run_s` at the
+    best rate seen so far ends the list, so a slow dtype is measured on the shapes it completes
+    (never a fraction of a run, never a number that rounds to 0): ~1 s on 2 cores for any dtype.
+    On a GPU one product takes ~1 ms and the clocks start low: the products are first repeated
+    for GPU_RAMP_S, and each timed run repeats its product for at least `min_run_s` (GPU 0.02 s;
+    CPU 0, one product: 1 ms and more, no clocks to raise). MFU divides by this measured number,
+    never a datasheet's."""
+    cuda = device.startswith("cuda")
+    min_run_s = (0.02 if cuda else 0.0) if min_run_s is None else min_run_s
     gen = torch.Generator(device=device).manual_seed(0)  # never touch the global RNG (exact resume)
-    peak = 0.0
-    for m, k, n in PEAK_SHAPES["cuda" if device.startswith("cuda") else "cpu"]:
+    peak, started = 0.0, time.perf_counter()
+    for m, k, n in PEAK_SHAPES["cuda" if cuda else "cpu"]:
         flops = 2 * m * k * n
         if peak and flops / peak > max_run_s:
             break
         a = torch.randn(m, k, device=device, generator=gen).to(dtype)
         b = torch.randn(k, n, device=device, generator=gen).to(dtype)
-        a @ b  # warm-up (kernel selection, allocator, AMX tile config)
-        synchronize(device)
-        best = math.inf
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            a @ b
-            synchronize(device)
-            best = min(best, time.perf_counter() - t0)
+        one = _products(a, b, 1, device)  # warm-up (kernel selection, allocator, AMX tile config)
+        while cuda and time.perf_counter() - started < GPU_RAMP_S:  # the GPU's clocks up
+            one = _products(a, b, 1, device)
+        reps = max(1, math.ceil(min_run_s / max(one, 1e-9)))
+        best = min(_products(a, b, reps, device) for _ in range(runs)) / reps
         peak = max(peak, flops / best)
     return peak
+
+
+GPU_RAMP_S = 0.2  # seconds of products before the first timed run on a GPU (idle clocks ramp up)
+
+
+def _products(a: torch.Tensor, b: torch.Tensor, reps: int, device: str) -> float:
+    """Seconds for `reps` products a @ b, to the end of the last."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    synchronize(device)
+    return time.perf_counter() - t0
 
 
 def format_flops(flops_per_s: float) -> str:

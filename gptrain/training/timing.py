@@ -172,6 +172,8 @@ def cached_peak(device: str, dtype: torch.dtype, path: Path | None = None) -> tu
     where = f"{machine(device)}|torch {torch.__version__}"
     cache = Timings(default_cache_path() if path is None else path, where, lambda _label, run, _rival: run(), warnings)  # fmt: skip
     shape = [name, bool(cuda and torch.backends.cuda.matmul.allow_tf32)]  # TF32 sets float32's
+    if cuda:  # GPU peaks from before its timed runs were ramped and repeated (logs/mfu.py): stale
+        shape.append("ramped")
     peak = cache("peak", shape, {name: lambda: partial(measure_peak_flops, device, dtype)})[name]
     if cache.dirty and (cuda or clock.crowding() <= CROWDED):
         cache.save()
