@@ -211,3 +211,28 @@ def test_resolve_uses_the_trial_only_for_auto_on_cuda(monkeypatch):
     assert calls == [64, 32, 16]
     fixed = train_cfg("train.micro_batch_size=32", "train.total_batch_size=4096", "train.seq_len=64")  # fmt: skip
     assert batch.resolve(fixed, cuda, object()) == (32, 2)  # an explicit number is never probed
+
+
+@pytest.mark.parametrize("compiled, fsdp_like, want", [(False, False, 1), (True, False, 8), (True, True, 1)])  # fmt: skip
+def test_the_trial_uses_the_chunks_of_the_loss_the_run_will_compile(monkeypatch, compiled, fsdp_like, want):  # fmt: skip
+    """The trial runs eager, but a compiled model's loss takes at most MAX_COMPILED_CHUNKS (larger)
+    chunks: the trial uses those, so that it needs the memory the run will; under FSDP (blocks
+    compiled one by one) the loss stays eager. The model's own setting is restored after."""
+    import gptrain.model.gpt as gpt
+
+    seen, real = [], gpt.linear_cross_entropy
+
+    def spy(x, weight, targets, vocab_size, chunk_rows):
+        seen.append(chunk_rows)
+        return real(x, weight, targets, vocab_size, chunk_rows)
+
+    monkeypatch.setattr(gpt, "linear_cross_entropy", spy)
+    model = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    model.loss_chunk_rows = 1  # eager: 64 chunks of one row for 4 x 16 tokens
+    wrapped = model
+    if fsdp_like:  # what trial_fits recognises FSDP2 by
+        wrapped = copy.copy(model)
+        wrapped.set_requires_gradient_sync = lambda *a, **k: None
+    off = torch.autocast("cpu", enabled=False)
+    assert batch.trial_fits(wrapped, model, off, 4, 16, 100, torch.device("cpu"), compiled)
+    assert seen == [want] and model.loss_chunk_rows == 1

@@ -25,11 +25,16 @@ MAX_COMPILED_CHUNKS = 8
 
 def chunk_rows(n_rows: int, padded_vocab: int, rows: int | None = None) -> int:
     """Rows per loss chunk for n_rows rows: `rows`, else LOSS_CHUNK_ELEMENTS // padded_vocab; while
-    torch.compile traces, enough for at most MAX_COMPILED_CHUNKS chunks."""
-    rows = rows or max(1, LOSS_CHUNK_ELEMENTS // padded_vocab)
+    torch.compile traces, compiled_chunk_rows."""
     if torch.compiler.is_compiling():
-        rows = max(rows, -(-n_rows // MAX_COMPILED_CHUNKS))
-    return rows
+        return compiled_chunk_rows(n_rows, padded_vocab, rows)
+    return rows or max(1, LOSS_CHUNK_ELEMENTS // padded_vocab)
+
+
+def compiled_chunk_rows(n_rows: int, padded_vocab: int, rows: int | None = None) -> int:
+    """Rows per chunk of a compiled loss: as eager, but enough for at most MAX_COMPILED_CHUNKS."""
+    rows = rows or max(1, LOSS_CHUNK_ELEMENTS // padded_vocab)
+    return max(rows, -(-n_rows // MAX_COMPILED_CHUNKS))
 
 
 def linear_cross_entropy(

@@ -19,6 +19,7 @@ from gptrain.config.sections import TrainConfig
 from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
+from gptrain.model.losses import compiled_chunk_rows
 
 
 def accumulation_steps(
@@ -97,16 +98,21 @@ def _all_min(flag: int, device) -> int:
     return int(t.item())
 
 
-def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int, device) -> bool:
+def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int, device, compiled: bool = False) -> bool:  # fmt: skip
     """One forward + backward of a (mb, seq_len) batch of random tokens, while a buffer the size
-    of AdamW's state (2 floats per local parameter) is held; False on CUDA out-of-memory. Leaves
+    of AdamW's state (2 floats per local parameter) is held; False on CUDA out-of-memory. The
+    trial runs eager; `compiled` (the whole model, loss included, is compiled: compile without
+    FSDP) gives it the compiled loss's larger chunks (losses.compiled_chunk_rows), so that it
+    needs the memory the compiled run's loss will. Leaves
     no gradients behind and consumes no global random numbers (dropout draws happen under a
     forked RNG), so training is unchanged by it. DDP: without gradient communication (the
     gradients stay in .grad, cleared below). FSDP2: with it, as on a last micro-step: without
     sync FSDP2 would keep the unsharded gradient in its own buffers, out of zero_grad's reach,
     and add it to the first real step's."""
     fsdp = hasattr(wrapped, "set_requires_gradient_sync")
-    oom = False
+    oom, rows = False, model.loss_chunk_rows
+    if compiled and not fsdp:  # FSDP compiles block by block: its loss runs eager
+        model.loss_chunk_rows = compiled_chunk_rows(mb * seq_len, model.config.padded_vocab_size, rows)  # fmt: skip
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())  # fmt: skip
@@ -119,6 +125,8 @@ def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int,
             del loss, x, reserve
     except torch.cuda.OutOfMemoryError:
         oom = True  # handled outside the except block: its traceback holds the trial's tensors
+    finally:
+        model.loss_chunk_rows = rows
     model.zero_grad(set_to_none=True)
     if oom:
         gc.collect()
@@ -137,7 +145,9 @@ def resolve(t: TrainConfig, info: dist.DistInfo, wrapped=None, model=None, autoc
         all_min = (lambda ok: _all_min(ok, device)) if dist.active() else None
         mb = fit(
             options,
-            lambda m: trial_fits(wrapped, model, autocast, m, t.seq_len, vocab_size, device),
+            lambda m: trial_fits(
+                wrapped, model, autocast, m, t.seq_len, vocab_size, device, t.compile
+            ),
             all_min,
         )
     return mb, accumulation_steps(t.total_batch_size, mb, t.seq_len, info.world_size)
