@@ -23,18 +23,14 @@ LOSS_CHUNK_ELEMENTS = 2**25
 MAX_COMPILED_CHUNKS = 8
 
 
-def chunk_rows(n_rows: int, padded_vocab: int, rows: int | None = None) -> int:
-    """Rows per loss chunk for n_rows rows: `rows`, else LOSS_CHUNK_ELEMENTS // padded_vocab; while
-    torch.compile traces, compiled_chunk_rows."""
-    if torch.compiler.is_compiling():
-        return compiled_chunk_rows(n_rows, padded_vocab, rows)
-    return rows or max(1, LOSS_CHUNK_ELEMENTS // padded_vocab)
-
-
-def compiled_chunk_rows(n_rows: int, padded_vocab: int, rows: int | None = None) -> int:
-    """Rows per chunk of a compiled loss: as eager, but enough for at most MAX_COMPILED_CHUNKS."""
+def chunk_rows(n_rows: int, padded_vocab: int, rows: int | None = None, compiled: bool | None = None) -> int:  # fmt: skip
+    """Rows per loss chunk for n_rows rows: `rows`, else LOSS_CHUNK_ELEMENTS // padded_vocab; for a
+    compiled loss (compiled None: while torch.compile traces) enough for at most
+    MAX_COMPILED_CHUNKS chunks."""
     rows = rows or max(1, LOSS_CHUNK_ELEMENTS // padded_vocab)
-    return max(rows, -(-n_rows // MAX_COMPILED_CHUNKS))
+    if torch.compiler.is_compiling() if compiled is None else compiled:
+        rows = max(rows, -(-n_rows // MAX_COMPILED_CHUNKS))
+    return rows
 
 
 def linear_cross_entropy(

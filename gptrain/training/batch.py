@@ -19,7 +19,7 @@ from gptrain.config.sections import TrainConfig
 from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
-from gptrain.model.losses import compiled_chunk_rows
+from gptrain.model.losses import chunk_rows
 
 
 def accumulation_steps(
@@ -102,7 +102,7 @@ def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int,
     """One forward + backward of a (mb, seq_len) batch of random tokens, while a buffer the size
     of AdamW's state (2 floats per local parameter) is held; False on CUDA out-of-memory. The
     trial runs eager; `compiled` (the whole model, loss included, is compiled: compile without
-    FSDP) gives it the compiled loss's larger chunks (losses.compiled_chunk_rows), so that it
+    FSDP) gives it the compiled loss's larger chunks (losses.chunk_rows), so that it
     needs the memory the compiled run's loss will. Leaves
     no gradients behind and consumes no global random numbers (dropout draws happen under a
     forked RNG), so training is unchanged by it. DDP: without gradient communication (the
@@ -112,7 +112,7 @@ def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int,
     fsdp = hasattr(wrapped, "set_requires_gradient_sync")
     oom, rows = False, model.loss_chunk_rows
     if compiled and not fsdp:  # FSDP compiles block by block: its loss runs eager
-        model.loss_chunk_rows = compiled_chunk_rows(mb * seq_len, model.config.padded_vocab_size, rows)  # fmt: skip
+        model.loss_chunk_rows = chunk_rows(mb * seq_len, model.config.padded_vocab_size, rows, compiled=True)  # fmt: skip
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())  # fmt: skip
