@@ -344,3 +344,27 @@ def test_the_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatc
     monkeypatch.setattr(timing.Clock, "crowding", lambda self: 1.4)
     assert timing.cached_peak("cpu", torch.float32, crowded)[:2] == (1.5e11, False)
     assert not crowded.exists()
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_a_gpu_times_float32_against_its_fast_dtype(monkeypatch, native_bf16, fsdp):
+    """On CUDA, dtype auto times float32 (TF32 as set) against bf16, or float16 where bf16 is not
+    native (not under FSDP: no sharded float16 scaler, so float32 alone), and keeps the faster."""
+    from gptrain.training import choices, precision
+
+    monkeypatch.setattr(choices, "machine", lambda device: "a fake GPU")
+    monkeypatch.setattr(choices, "block_run", lambda *args: lambda: None)  # no CUDA block here
+    monkeypatch.setattr(choices, "cuda_supports_bf16", lambda: native_bf16)
+    monkeypatch.setattr(precision, "cuda_supports_bf16", lambda: native_bf16)
+    low = "bfloat16" if native_bf16 else "float16"
+    for low_time, expected in ((0.3, low), (1 - MARGIN / 2, "float32")):
+        timer = FakeTimer(**{f"block__{low}__sdpa": low_time, f"block__{low}__matmul": low_time})
+        c = decide("cuda", TINY, "auto", "auto", None, fsdp=fsdp, timer=timer, cache_path=None)
+        timed = sorted({label.split("/")[1] for label in timer.calls})
+        if fsdp and not native_bf16:
+            assert (c.dtype, timed, c.how["dtype"]) == ("float32", ["float32"], "rule: bf16 not native")  # fmt: skip
+            continue
+        assert (c.dtype, timed, c.how["dtype"]) == (expected, sorted(["float32", low]), "measured")
+        assert precision.resolve_dtype("auto", "cuda", fsdp, measured=c.dtype) == getattr(torch, expected)  # fmt: skip
+    assert precision.resolve_dtype("auto", "cuda", fsdp) == getattr(torch, "float32" if fsdp and not native_bf16 else low)  # fmt: skip

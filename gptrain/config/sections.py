@@ -100,7 +100,7 @@ class TrainConfig:
     max_steps: int = opt(200, "optimizer steps to train")
     dtype: str = opt(
         "auto",
-        "compute dtype: auto on a CPU is the faster of float32 and bfloat16, timed on one transformer block of the run's shapes at start-up (cached per machine; bf16 is not timed where a bf16 matmul is measured emulated); on a GPU bfloat16 where it is native (compute capability >= 8.0), else float16 with a GradScaler (float32 under dist.mode=fsdp)",
+        "compute dtype: auto on a CPU is the faster of float32 and bfloat16, timed on one transformer block of the run's shapes at start-up (cached per machine; bf16 is not timed where a bf16 matmul is measured emulated); on a GPU timed the same way, float32 (TF32 per train.tf32) against bfloat16 where it is native (compute capability >= 8.0), else against float16 with a GradScaler (float32 alone under dist.mode=fsdp)",
         ("auto", "float32", "bfloat16", "float16"),
     )
     compile: bool = opt(False, "torch.compile the model for training, evaluation and sampling")

@@ -150,10 +150,10 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
         model = model.to(info.device)
     if info.device_type == "cpu":  # before the timings, so that they see the training's allocator:
         keep_freed_memory()  # no page faults for every step's activations (host.py)
+    set_matmul_precision(info.device_type, cfg.train.tf32)  # before the timings and the peak
     choices = for_run(cfg, info, model, dtype, fsdp, saved_choices)  # timed once per machine
     ptdtype = resolve_dtype(dtype, info.device_type, fsdp, measured=choices.dtype)
     model.set_attention(attention_kernel(cfg.train.attention, choices.attention))
-    set_matmul_precision(info.device_type, cfg.train.tf32)  # before the peak is measured
     wrapped = parallelize.wrap_model(
         model,
         cfg.dist,

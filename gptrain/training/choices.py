@@ -11,7 +11,8 @@ What is timed (only what the config leaves to auto; an explicit value always win
   compute capability 8.0.
 - block: forward + backward of ONE transformer block at the run's (micro-batch, seq_len, n_embd,
   n_head), in each candidate dtype x attention kernel (float32/bfloat16 x sdpa/matmul on a CPU;
-  on a GPU the dtype keeps its rule, see precision.auto_cuda_dtype, and the kernels are timed).
+  on a GPU float32, with TF32 as train.tf32 says, against precision.auto_cuda_dtype's bf16 or
+  float16: a small model can run as fast in float32 as under autocast's casts).
   On a CPU the micro-batch is cut to at most BLOCK_FLOPS per run (default preset: 5 of 16
   sequences); matmul is a candidate only while the probabilities it keeps for backward, for all
   layers, stay under MATMUL_MEMORY.
@@ -157,8 +158,9 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
     # dtype x attention: one block of the run's shapes
     if dtype != "auto":
         dtypes, out.how["dtype"] = [dtype], "config"
-    elif cuda:
-        dtypes, out.how["dtype"] = [auto_cuda_dtype(fsdp)], "rule"
+    elif cuda:  # float32 (TF32 if set) against the GPU's fast dtype, where that is not float32
+        low = auto_cuda_dtype(fsdp)
+        dtypes, out.how["dtype"] = ["float32"] + [low] * (low != "float32"), "measured"
     else:
         dtypes, out.how["dtype"] = ["float32"] + ["bfloat16"] * native, "measured"
     s = shapes
@@ -172,6 +174,8 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
         slow = max(1.0, out.bf16_ratio or 1.0) if "bfloat16" in dtypes else 1.0  # emulated bf16
         n = s.micro_batch if cuda else max(1, min(s.micro_batch, int(BLOCK_FLOPS / slow / block_flops(s))))  # fmt: skip
         shape = [n, s.seq_len, s.n_embd, s.n_head, s.gelu, s.bias]
+        if cuda:  # TF32 changes float32's time
+            shape.append(bool(torch.backends.cuda.matmul.allow_tf32))
         makes = {c: partial(block_run, device, s, n, c) for c in combos}
         times = measure("block", shape, makes, rounds=2)
         out.block_ms, out.block_tokens = {c: t * 1e3 for c, t in times.items()}, (n, s.seq_len)

@@ -1,11 +1,12 @@
 """Numeric precision: which dtype a run computes in, and the autocast / GradScaler that go with it.
 
-`train.dtype = auto` on a GPU is a rule: bf16 where its tensor cores compute it natively (compute
-capability 8.0 or newer: Ampere, Hopper, ...; `torch.cuda.is_bf16_supported()` is also True on
-V100 and T4, where bf16 is emulated: slow, and torch.compile skips it), else float16 with a
-GradScaler, except under FSDP (no sharded float16 scaler): float32 there. Everywhere else auto is
-MEASURED (gptrain/training/choices.py times one block of the run's shapes in float32 and bf16 and
-hands the faster one to resolve_dtype); nothing here reads CPU flags. FSDP2 runs under the same
+`train.dtype = auto` is MEASURED (gptrain/training/choices.py times one block of the run's
+shapes in float32 and in the device's fast dtype and hands the faster one to resolve_dtype);
+nothing here reads CPU flags. On a GPU the fast dtype is a rule (auto_cuda_dtype): bf16 where its
+tensor cores compute it natively (compute capability 8.0 or newer: Ampere, Hopper, ...;
+`torch.cuda.is_bf16_supported()` is also True on V100 and T4, where bf16 is emulated: slow, and
+torch.compile skips it), else float16 with a GradScaler, except under FSDP (no sharded float16
+scaler): float32 there; a caller that measured nothing gets it. FSDP2 runs under the same
 autocast as DDP (its MixedPrecisionPolicy only lowers the blocks' parameters, see
 parallelize.wrap_model). On CUDA, float32 matmuls use TensorFloat-32 unless `train.tf32 = false`.
 `train.deterministic = true` asks torch for deterministic kernels everywhere (set_determinism).
@@ -45,9 +46,9 @@ def resolve_dtype(name: str, device_type: str, fsdp: bool = False, measured: str
         )
     if name != "auto":
         return DTYPES[name]
-    if device_type == "cuda":
-        return DTYPES[auto_cuda_dtype(fsdp)]
-    return DTYPES[measured or "float32"]
+    if measured:
+        return DTYPES[measured]
+    return DTYPES[auto_cuda_dtype(fsdp) if device_type == "cuda" else "float32"]
 
 
 def mixed_precision(
