@@ -294,8 +294,8 @@ def speed_choices(summary: dict) -> str:
     """A run's speed choices as summary.json records them: each value and how it was made."""
     c = summary["speed_choices"]
     ms = ", ".join(f"{k} {v:.3g} ms" for k, v in (c.get("block_ms") or {}).items())
-    choice = [f"dtype {c['dtype']} ({c['how']['dtype']})", f"attention {c['attention']} ({c['how']['attention']}{': ' + ms if ms else ''})"]  # fmt: skip
-    return ", ".join(choice)
+    choice = f"dtype {c['dtype']} ({c['how']['dtype']}), attention {c['attention']} ({c['how']['attention']})"  # fmt: skip
+    return choice + (f"; one block fwd+bwd: {ms}" if ms else "")
 
 
 def main() -> int:

@@ -69,7 +69,7 @@ def _fake_check(monkeypatch, diff=0.0, noise=0.0, fail=()):
             raise SystemExit(
                 f"failed: torchrun ... {name}\nTraceback ...\nRuntimeError: {name} broke\n"
             )
-        choices = {"dtype": "bfloat16", "attention": "sdpa", "how": {"dtype": "rule", "attention": "measured"}, "block_ms": {"bfloat16/sdpa": 1.5, "bfloat16/matmul": 4.0}}  # fmt: skip
+        choices = {"dtype": "bfloat16", "attention": "sdpa", "how": {"dtype": "measured", "attention": "measured"}, "block_ms": {"float32/sdpa": 3.0, "bfloat16/sdpa": 1.5}}  # fmt: skip
         return {"train_loss": 2.0, "tok_per_s": 1.0, "mfu": 0.5, "peak_mib": 1.0, "save_s": [1.0], "speed_choices": choices}  # fmt: skip
 
     def kill_and_resume(n, steps, extra):
@@ -141,7 +141,8 @@ def test_the_single_gpu_row_shows_the_speed_choices(monkeypatch, capsys):
     check, _ = _fake_check(monkeypatch)
     check.run({1})
     (row,) = check.rows
-    assert "dtype bfloat16 (rule)" in row[1] and "attention sdpa (measured: bfloat16/sdpa 1.5 ms" in row[1]  # fmt: skip
+    shown = "dtype bfloat16 (measured), attention sdpa (measured); one block fwd+bwd: float32/sdpa 3 ms, bfloat16/sdpa 1.5 ms"  # fmt: skip
+    assert shown in row[1]
 
 
 def test_a_failed_command_is_a_failed_row_and_the_next_rows_still_run(monkeypatch, capsys):
