@@ -136,9 +136,10 @@ def test_async_save_holds_the_state_at_its_step(fsdp_runs):
 
 @pytest.fixture(scope="module")
 def dcp_run(byte_data, tmp_path_factory):
-    """A 2-rank FSDP2 run (dropout on) with one sharded checkpoint, at its last step (4)."""
+    """A 2-rank FSDP2 run (dropout on) with one sharded checkpoint, at its last step (4), each
+    rank's shards written by 2 threads into 2 files."""
     run_dir = tmp_path_factory.mktemp("dcp") / "run"
-    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--dist.mode=fsdp", "--train.max_steps=4", "--checkpoint.every=2", "--model.dropout=0.1", "--train.micro_batch_size=4", *h.FAST]  # fmt: skip
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--dist.mode=fsdp", "--train.max_steps=4", "--checkpoint.every=2", "--model.dropout=0.1", "--train.micro_batch_size=4", "--checkpoint.io_threads=2", *h.FAST]  # fmt: skip
     h.check_ok(h.wait_all(h.spawn(args), 300))
     return run_dir
 
@@ -152,9 +153,9 @@ def _cli(*args):
 @pytest.mark.slow
 def test_async_saved_run_resumes_like_the_uninterrupted_one(dcp_run, byte_data, tmp_path):
     """dcp_run with checkpoint.async = true and a save at step 2, written while steps 3-4
-    trained and published at step 4's save: the final checkpoint is complete at exit 0 and equals
-    dcp_run's; resumed from step 2, the run reaches step 4 bit for bit like dcp_run (weights,
-    AdamW state, data cursor, RNG of every rank)."""
+    trained and published at step 4's save, each rank's shards in 3 files (dcp_run: 2): the final
+    checkpoint is complete at exit 0 and equals dcp_run's; resumed from step 2, the run reaches
+    step 4 bit for bit like dcp_run (weights, AdamW state, data cursor, RNG of every rank)."""
     import shutil
 
     from gptrain.checkpoint import dcp as sharded
@@ -172,10 +173,12 @@ def test_async_saved_run_resumes_like_the_uninterrupted_one(dcp_run, byte_data, 
         return equal and sa["data"] == sb["data"] and all(torch.equal(x["torch"], y["torch"]) for x, y in rngs)  # fmt: skip
 
     run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
-    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", "--dist.mode=fsdp", "--train.max_steps=4", "--model.dropout=0.1", "--train.micro_batch_size=4", *h.FAST, "--checkpoint.every=2", "--checkpoint.async=true"]  # fmt: skip
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", "--dist.mode=fsdp", "--train.max_steps=4", "--model.dropout=0.1", "--train.micro_batch_size=4", *h.FAST, "--checkpoint.every=2", "--checkpoint.async=true", "--checkpoint.io_threads=3"]  # fmt: skip
     h.check_ok(h.wait_all(h.spawn([*args, f"--run.dir={run_dir}"]), 300))
     root = run_dir / "checkpoints"
     assert checkpoint.pointer(root) == "step_00000004" and not list(root.glob(".tmp-*"))
+    shards = sorted(p.name for p in (root / "step_00000002").glob("*.distcp"))
+    assert shards == [f"__{r}_{i}.distcp" for r in (0, 1) for i in range(3)]
     assert same(checkpoint.find(run_dir, 4), checkpoint.find(dcp_run, 4))
     shutil.copytree(run_dir, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000004")
@@ -220,11 +223,11 @@ def test_sharded_checkpoint_layout_and_export_sample(dcp_run, tmp_path):
     meta = checkpoint.load_meta(folder)
     names = {p.name for p in folder.iterdir()}
     assert meta["layout"] == "dcp" and "model.safetensors" not in names
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"} <= names
-    assert names - {"meta.json"} == set(meta["files"])  # every file recorded (size + sha256)
+    shards = [f"__{r}_{i}.distcp" for r in (0, 1) for i in (0, 1)]  # 2 files per rank
+    assert names - {"meta.json"} == set(meta["files"]) == {".metadata", "state.pt", *shards}
     full = sharded.load_full_model_state(folder, meta)
     assert full["lm_head.weight"] is full["transformer.wte.weight"]
-    shard_bytes = [meta["files"][f"__{r}_0.distcp"]["bytes"] for r in (0, 1)]
+    shard_bytes = [sum(meta["files"][f"__{r}_{i}.distcp"]["bytes"] for i in (0, 1)) for r in (0, 1)]  # fmt: skip
     model_bytes = sum(v.numel() * 4 for k, v in full.items() if k != "lm_head.weight")
     assert sum(shard_bytes) > 3 * model_bytes  # weights + 2 AdamW moments, all stored
     assert max(shard_bytes) < 0.6 * sum(shard_bytes)  # each rank wrote about half
@@ -245,7 +248,7 @@ def test_damaged_shard_is_refused_before_anything_is_read(dcp_run, tmp_path):
 
     run = tmp_path / "run"
     shutil.copytree(dcp_run, run)
-    shard = checkpoint.find(run) / "__1_0.distcp"
+    shard = checkpoint.find(run) / "__1_1.distcp"  # the second of rank 1's two files
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -258,7 +261,7 @@ def test_damaged_shard_is_refused_before_anything_is_read(dcp_run, tmp_path):
         done = _cli(*args)
         assert done.returncode == 2, done.stderr[-2000:]
         lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and "__1_0.distcp is damaged" in lines[0], done.stderr[-2000:]
+        assert len(lines) == 1 and "__1_1.distcp is damaged" in lines[0], done.stderr[-2000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 

@@ -280,3 +280,22 @@ def test_resume_with_another_gelu_or_bias_is_refused(byte_data, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and now in err[0] and fix in err[0]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_checkpoint_io_threads_follow_the_cores_and_hash_like_one_thread(tmp_path, monkeypatch):
+    """folder.io_threads: an explicit checkpoint.io_threads wins; auto is one thread per core of
+    this process's share of the node, at least 1, at most MAX_IO_THREADS. file_records in threads
+    gives every file's record as hashlib does in one pass."""
+    import hashlib
+
+    from gptrain.checkpoint import folder
+
+    monkeypatch.setattr(folder, "cpu_cores", lambda: 16)
+    assert [folder.io_threads(n) for n in (1, 2, 4, 8, 32)] == [folder.MAX_IO_THREADS, 8, 4, 2, 1]
+    assert folder.io_threads(8, asked=5) == 5
+    files = []
+    for i in range(5):
+        files.append(tmp_path / f"f{i}")
+        files[-1].write_bytes(os.urandom(1000 * i + 1))
+    want = {f.name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()} for f in files}  # fmt: skip
+    assert folder.file_records(files, threads=3) == folder.file_records(files) == want

@@ -35,7 +35,7 @@ import copy
 import pickle
 import shutil
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -48,8 +48,9 @@ from gptrain.errors import UserError, first_line
 LAYOUT = "dcp"  # meta.json "layout" of a sharded checkpoint (full ones have none)
 
 
-def save_training(run_dir, step, model, optimizer, loader, train_state, meta, info, background=False):  # fmt: skip
-    """Collective: a sharded (DCP) checkpoint of every stateful part of an FSDP2 run. Returns the
+def save_training(run_dir, step, model, optimizer, loader, train_state, meta, info, background=False, threads=1):  # fmt: skip
+    """Collective: a sharded (DCP) checkpoint of every stateful part of an FSDP2 run, each rank's
+    shards written and hashed by `threads` threads (one file each, folder.io_threads). Returns the
     function that publishes it (every rank calls it once, see manager.Pending). background (checkpoint.async, DCP only): DCP's async_save stages a copy
     of this rank's shards in host memory before it returns (so later optimizer steps cannot reach
     the checkpoint) and writes it from a thread; everything else is captured now, too."""
@@ -67,7 +68,7 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
         tmp.mkdir()
     _barrier(group)
     tensors, others = _state(model, optimizer)
-    writer = dcp.FileSystemWriter(tmp)
+    writer = dcp.FileSystemWriter(tmp, thread_count=threads)
     if background:  # the staged copy is taken here, in this thread, before it returns
         future = dcp.async_save(tensors, storage_writer=writer, process_group=group)
         future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse: its write
@@ -84,10 +85,10 @@ def save_training(run_dir, step, model, optimizer, loader, train_state, meta, in
     }
     rng = folder.rng_state(info.device)
     tied = folder.shared_parameters(model)
-    return lambda: _publish(step, root, tmp, future, state, rng, meta, tied, info, group)
+    return lambda: _publish(step, root, tmp, future, state, rng, meta, tied, info, group, threads)
 
 
-def _publish(step, root, tmp, future, state, rng, meta, tied, info, group):
+def _publish(step, root, tmp, future, state, rng, meta, tied, info, group, threads):
     """Collective (io group): wait for this rank's shards, hash them, agree that every rank's
     write succeeded and that rank 0 sees every file; rank 0 writes state.pt and meta.json and
     renames the folder into place (folder.publish). A failed write is a UserError on every
@@ -99,9 +100,7 @@ def _publish(step, root, tmp, future, state, rng, meta, tied, info, group):
         future.result()
     except (Exception, CheckpointException) as e:  # a full disk, an I/O error, on any rank
         error = f"cannot write checkpoint {tmp.name.removeprefix('.tmp-')} in {root} ({type(e).__name__}: {first_line(e)}); the previous checkpoint ({folder.pointer(root) or 'none'}) is intact; free disk space and run the same command to resume"
-    records = {  # each rank hashes the shards it wrote
-        p.name: folder.file_record(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))
-    }
+    records = folder.file_records(sorted(tmp.glob(f"__{info.rank}_*.distcp")), threads)  # its own
     gathered = [None] * info.world_size
     tdist.all_gather_object(gathered, (records, rng), group=group)
     if info.is_main and not error:  # every rank's shards must be in rank 0's folder
@@ -196,19 +195,24 @@ def load_full(ckpt_dir, meta: dict, prefix: str, device: str = "cpu") -> dict:
 
 def verify(ckpt_dir, meta: dict, info, group) -> None:
     """Every file meta.json records has its recorded size and sha256, checked before any is read;
-    the ranks share the hashing (file i on rank i % world size), a failure stops every rank."""
+    the ranks share the hashing (file i on rank i % world size; each rank hashes its share in
+    folder.io_threads threads), a failure stops every rank."""
     names = sorted(meta.get("files", {}))
     if ".metadata" not in names:
         raise UserError(
             f"checkpoint {ckpt_dir}: meta.json records no DCP index (.metadata); restore the folder or resume from another step"
         )
-    error = ""
-    for name in names[info.rank :: max(info.world_size, 1)]:
+
+    def problem(name: str) -> str:
         try:
             folder.verify_file(Path(ckpt_dir) / name, meta)
         except UserError as e:
-            error = str(e)
-            break
+            return str(e)
+        return ""
+
+    mine = names[info.rank :: max(info.world_size, 1)]
+    with ThreadPoolExecutor(max(1, min(folder.io_threads(info.local_world_size), len(mine)))) as pool:  # fmt: skip
+        error = next((e for e in pool.map(problem, mine) if e), "")
     failed = torch.tensor([1.0 if error else 0.0])
     if group is not None:
         tdist.all_reduce(failed, group=group)

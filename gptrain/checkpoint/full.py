@@ -44,6 +44,7 @@ def save(
     meta: dict,
     state: dict | None = None,
     tied: dict[str, str] | None = None,
+    threads: int = 1,
 ) -> Path:
     """Write checkpoint `step` under run_dir/checkpoints atomically and point `latest` at it.
 
@@ -51,7 +52,8 @@ def save(
     state: tensors and plain data only (optimizer, data cursor, train state, RNG as tensors),
     since it is read back with weights_only=True;
     tied: {alias key: source key} of shared parameters (found from shared storage otherwise,
-    but a gathered FSDP state dict holds separate copies).
+    but a gathered FSDP state dict holds separate copies);
+    threads: how many files are hashed at once (folder.io_threads).
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -61,7 +63,7 @@ def save(
     if bad:
         raise ValueError(f"wrapper prefix in model state key {bad[0]!r}: save the unwrapped model")
     try:
-        _write_folder(tmp, step, model_state, meta, state, tied)
+        _write_folder(tmp, step, model_state, meta, state, tied, threads)
     except Exception as e:  # a full disk, a quota, an I/O error: torch and safetensors wrap OSError
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, (OSError, RuntimeError)) and "Safetensor" not in type(e).__name__:
@@ -77,7 +79,7 @@ def save(
     return folder.publish(root, name, tmp)
 
 
-def _write_folder(tmp: Path, step: int, model_state: dict, meta: dict, state, tied) -> None:
+def _write_folder(tmp: Path, step: int, model_state: dict, meta: dict, state, tied, threads: int = 1) -> None:  # fmt: skip
     """Every file of a checkpoint into the temporary folder `tmp`, each fsynced."""
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -100,9 +102,7 @@ def _write_folder(tmp: Path, step: int, model_state: dict, meta: dict, state, ti
     tok_file = meta.get("tokenizer", {}).get("path")  # a trained BPE: keep it with the weights
     if tok_file and Path(tok_file).is_file():
         folder.fsync_write(tmp / folder.TOKENIZER_FILE, Path(tok_file).read_bytes())
-    files = {
-        f.name: folder.file_record(f) for f in sorted(tmp.iterdir())
-    }  # what meta.json vouches for
+    files = folder.file_records(sorted(tmp.iterdir()), threads)  # what meta.json vouches for
     record = {"step": step, "format": folder.FORMAT, **meta, "files": files}
     folder.fsync_write(tmp / "meta.json", (json.dumps(record, indent=2) + "\n").encode())
 
@@ -133,7 +133,7 @@ def _options(**kw):
 
 
 def save_training(
-    run_dir, step: int, model, optimizer, loader, train_state: dict, meta: dict, info
+    run_dir, step: int, model, optimizer, loader, train_state: dict, meta: dict, info, threads=1
 ) -> Path | None:
     """Collective: every rank calls it; the main process writes model, optimizer, data cursor,
     train_state and the RNG state of EVERY rank. Keys are the unwrapped model's (no prefixes). A
@@ -160,7 +160,7 @@ def save_training(
     tied = folder.shared_parameters(model)
     # the main process writes; its collective is the barrier after the save, and a failed write
     # (a full disk) is one UserError on every rank
-    return gdist.on_main(info, lambda: save(run_dir, step, model_state, meta, state, tied=tied))
+    return gdist.on_main(info, lambda: save(run_dir, step, model_state, meta, state, tied, threads))
 
 
 def restore_training(ckpt_dir, model, optimizer, loader, info) -> dict:

@@ -261,6 +261,10 @@ class CheckpointConfig:
         "",
         "off-node copies: an fsspec URL (file:///mnt/shared/run, s3://bucket/run, gs://bucket/run) that each published checkpoint is uploaded to in the background and read back (sha256 against meta.json) before the remote `latest` moves; resume = auto also looks there (the local run.dir may be gone) and falls back across damaged copies; remote retention follows keep_last / keep_every and keeps the last verified copy; unreachable or without credentials: one line before training. Empty: off",
     )
+    io_threads: int = opt(
+        0,
+        "threads each process writes and hashes its checkpoint files with (FSDP2: one DCP shard file per thread); 0: one per CPU core of its share of the node, at most 8",
+    )
     keep_every: int = opt(
         0, "also keep every checkpoint whose step is a multiple of N forever; 0: none"
     )
@@ -271,6 +275,7 @@ class CheckpointConfig:
 
     def check(self) -> None:
         check(self.every >= 0, "checkpoint.every must be >= 0")
+        check(self.io_threads >= 0, f"checkpoint.io_threads = {self.io_threads} must be >= 0 (0: auto)")  # fmt: skip
         check(
             self.every_minutes >= 0,
             f"checkpoint.every_minutes = {self.every_minutes} must be >= 0 (0: off)",

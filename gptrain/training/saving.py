@@ -40,6 +40,7 @@ def save(run: Run, wait: bool):
     run.pending = checkpoint.save(  # DCP shards under FSDP2, else a full checkpoint
         run.cfg.run.dir, run.step, run.model, run.optimizer, run.loader, state,
         {**run.meta, "tokens": run.tokens, **run.best}, run.info, background=run.cfg.checkpoint.async_,
+        io_threads=run.cfg.checkpoint.io_threads,
     )  # fmt: skip
     return publish(run) if wait or not run.cfg.checkpoint.async_ else None
 
