@@ -90,8 +90,9 @@ def check_async(requested: bool, cfg: DistConfig, info) -> None:
 
 def save(run_dir, step, model, optimizer, loader, train_state, meta, info, background=False, io_threads=0):  # fmt: skip
     """Collective: a checkpoint of every stateful part; sharded (DCP) for an FSDP2 model, else a
-    full one, written and hashed by folder.io_threads(io_threads) threads per process. Returns a Pending save; call its wait() (every rank) to publish it. background
-    (checkpoint.async, sharded only): written from a thread while training goes on."""
+    full one, written and hashed by folder.io_threads(io_threads) threads per process. Returns a
+    Pending save; call its wait() (every rank) to publish it. background (checkpoint.async,
+    sharded only): written from a thread while training goes on."""
     faults.stall_save(step)  # GPTRAIN_FAULT=stall_save@STEP: the write blocks (a stuck disk)
     threads = folder.io_threads(info.local_world_size, io_threads)
     args = (run_dir, step, model, optimizer, loader, train_state, meta, info)
