@@ -26,7 +26,8 @@ Rows (each a real `gptrain` command, started the way a user starts it):
      H100 without the flag)
   4. GPT-2 XL (48 x 1600) under FSDP2 with activation checkpointing: peak memory per GPU and the
      wall time of one sharded checkpoint save (2 steps, a save each, keep_last 1: ~19 GB of
-     weights and AdamW state at most twice on the node's disk)
+     weights and AdamW state at most twice on the node's disk) with checkpoint.io_threads's
+     thread count (auto: the node's cores shared by its ranks, at most 8)
 A row whose command fails is printed FAILED with the command's last line (its whole log to
 stderr), the next row runs, and the script exits 1.
 Rows 1-4 train on this machine's own Python sources (torch's), byte-tokenised by `gptrain prepare`:
@@ -230,8 +231,10 @@ class Check:
 
         def xl() -> tuple[str, str]:  # two sharded saves, the older deleted: GPT-2 XL's ~19 GB of
             # weights and AdamW state once or twice on the node's disk, not keep_last's 3
+            from gptrain.checkpoint.folder import io_threads  # checkpoint.io_threads = auto
+
             r = self.train("xl", n, self.overrides("xl", "gpt2-xl", 2, "dist.mode=fsdp", "train.activation_checkpointing=blocks", "checkpoint.every=1", "checkpoint.keep_last=1"))  # fmt: skip
-            return f"peak {r['peak_mib']:,.0f} MiB per rank, {r['tok_per_s']:,.0f} tok/s", f"sharded checkpoint save {min(r['save_s']):.1f} s"  # fmt: skip
+            return f"peak {r['peak_mib']:,.0f} MiB per rank, {r['tok_per_s']:,.0f} tok/s", f"sharded checkpoint save {min(r['save_s']):.1f} s, {io_threads(n)} I/O threads per rank"  # fmt: skip
 
         todo = [(0, "GPT-2 124M, vocab 50257, `gptrain bench`", self.throughput)]
         for compile in (False,) if self.dry else (False, True):  # CPU inductor: minutes

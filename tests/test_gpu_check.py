@@ -148,10 +148,13 @@ def test_the_single_gpu_row_shows_the_speed_choices(monkeypatch, capsys):
 def test_a_failed_command_is_a_failed_row_and_the_next_rows_still_run(monkeypatch, capsys):
     """one_False fails: row 1 and both row 2 rows (which compare with it) are FAILED with the
     command's last line, trained once; rows 3 and 4 still run; the script will exit 1."""
+    from gptrain.checkpoint import folder
+
+    monkeypatch.setattr(folder, "cpu_cores", lambda: 6)  # 2 ranks: 3 threads each
     check, trained = _fake_check(monkeypatch, fail={"one_False"})
     check.run({1, 2, 3, 4})
     verdicts = [r[2] for r in check.rows]
-    assert verdicts == ["FAILED", "FAILED", "FAILED", "OK, bit for bit", "sharded checkpoint save 1.0 s"]  # fmt: skip
+    assert verdicts == ["FAILED", "FAILED", "FAILED", "OK, bit for bit", "sharded checkpoint save 1.0 s, 3 I/O threads per rank"]  # fmt: skip
     assert all(r[1] == "failed: RuntimeError: one_False broke" for r in check.rows[:3])
     assert [t[0] for t in trained] == ["one_False", "exact", "resume_cut", "xl"] and check.failed
     assert "Traceback" in capsys.readouterr().err  # the whole log, for the person reading it
