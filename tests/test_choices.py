@@ -368,3 +368,44 @@ def test_a_gpu_times_float32_against_its_fast_dtype(monkeypatch, native_bf16, fs
         assert (c.dtype, timed, c.how["dtype"]) == (expected, sorted(["float32", low]), "measured")
         assert precision.resolve_dtype("auto", "cuda", fsdp, measured=c.dtype) == getattr(torch, expected)  # fmt: skip
     assert precision.resolve_dtype("auto", "cuda", fsdp) == getattr(torch, "float32" if fsdp and not native_bf16 else low)  # fmt: skip
+
+
+def _fake_gpu(monkeypatch):
+    from gptrain.training import choices, precision
+
+    monkeypatch.setattr(choices, "machine", lambda device: "a fake GPU")
+    monkeypatch.setattr(choices, "block_run", lambda *args: lambda: None)
+    monkeypatch.setattr(choices, "cuda_supports_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cuda_supports_bf16", lambda: True)
+
+
+def test_a_gpu_times_at_most_gpu_block_flops_of_sequences(monkeypatch):
+    """GPT-2 124M at micro-batch 64 x 1024: 37 sequences are timed (2e12 FLOPs of block), not
+    64 (~7 GB of float32 activations); a micro-batch under the bound is timed whole."""
+    from gptrain.training.choices import GPU_BLOCK_FLOPS
+    from gptrain.training.timing import block_flops
+
+    _fake_gpu(monkeypatch)
+    gpt2 = Shapes(64, 1024, 12, 768, 12)
+    c = decide("cuda", gpt2, "auto", "auto", None, timer=FakeTimer(), cache_path=None)
+    assert c.block_tokens == (37, 1024) and 37 * block_flops(gpt2) <= GPU_BLOCK_FLOPS < 38 * block_flops(gpt2)  # fmt: skip
+    c = decide("cuda", TINY, "auto", "auto", None, timer=FakeTimer(), cache_path=None)
+    assert c.block_tokens == (TINY.micro_batch, TINY.seq_len)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_a_gpu_too_small_for_the_timing_falls_back_to_the_rule(monkeypatch, dtype):
+    """The block timing runs out of GPU memory: no crash; what was auto follows the rule
+    (bf16 where native, sdpa) and says so, an explicit value stays, with one warning."""
+    _fake_gpu(monkeypatch)
+
+    def oom(label, fn, rival):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB")
+
+    c = decide("cuda", TINY, dtype, "auto", None, timer=oom, cache_path=None)
+    assert (c.dtype, c.attention) == ("bfloat16" if dtype == "auto" else "float32", "sdpa")
+    rule = "rule: its timing ran out of memory"
+    assert c.how == {"dtype": rule if dtype == "auto" else "config", "attention": rule}
+    assert c.block_ms == {} and len(c.warnings) == 1 and "did not fit" in c.warnings[0]
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # on a CPU, running out of memory is no choice
+        decide("cpu", TINY, "float32", "auto", None, timer=oom, cache_path=None)

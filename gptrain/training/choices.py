@@ -14,8 +14,9 @@ What is timed (only what the config leaves to auto; an explicit value always win
   on a GPU float32, with TF32 as train.tf32 says, against precision.auto_cuda_dtype's bf16 or
   float16: a small model can run as fast in float32 as under autocast's casts).
   On a CPU the micro-batch is cut to at most BLOCK_FLOPS per run (default preset: 5 of 16
-  sequences); matmul is a candidate only while the probabilities it keeps for backward, for all
-  layers, stay under MATMUL_MEMORY.
+  sequences), on a GPU to GPU_BLOCK_FLOPS (GPT-2 124M: 37 of 64), and a GPU that runs out of
+  memory even so keeps the rule, with a warning; matmul is a candidate only while the
+  probabilities it keeps for backward, for all layers, stay under MATMUL_MEMORY.
 - muon: one Newton-Schulz orthogonalisation of each distinct Muon matrix shape, bf16 vs float32.
 
 How a candidate is timed and how timings are cached: training/timing.py."""
@@ -55,6 +56,9 @@ MARGIN = 0.1  # a candidate within this of the fastest counts as as fast (timing
 KERNEL_MARGIN = 0.03
 BF16_EMULATED_RATIO = 2.0  # bf16 matmul time / float32's above which bf16 counts as emulated
 BLOCK_FLOPS = 8e9  # CPU: the most FLOPs one timed block run may take (~60 ms in float32)
+# GPU: the same bound (~3-10 ms on an H100 in float32 with TF32), which also bounds the block's
+# memory: GPT-2 124M's block at 64 x 1024 tokens would hold ~7 GB of float32 activations
+GPU_BLOCK_FLOPS = 2e12
 MATMUL_MEMORY = 2**30  # bytes of probabilities matmul attention may keep for backward
 
 
@@ -172,12 +176,24 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
     combos = [f"{d}/{k}" for d in dtypes for k in kernels]
     if len(combos) > 1:
         slow = max(1.0, out.bf16_ratio or 1.0) if "bfloat16" in dtypes else 1.0  # emulated bf16
-        n = s.micro_batch if cuda else max(1, min(s.micro_batch, int(BLOCK_FLOPS / slow / block_flops(s))))  # fmt: skip
+        most = GPU_BLOCK_FLOPS if cuda else BLOCK_FLOPS / slow
+        n = max(1, min(s.micro_batch, int(most / block_flops(s))))
         shape = [n, s.seq_len, s.n_embd, s.n_head, s.gelu, s.bias]
         if cuda:  # TF32 changes float32's time
             shape.append(bool(torch.backends.cuda.matmul.allow_tf32))
         makes = {c: partial(block_run, device, s, n, c) for c in combos}
-        times = measure("block", shape, makes, rounds=2)
+        try:
+            times = measure("block", shape, makes, rounds=2)
+        except torch.cuda.OutOfMemoryError:  # a GPU too small for one block of n sequences
+            if not cuda:
+                raise
+            torch.cuda.empty_cache()
+            times, combos = None, [f"{dtypes[-1]}/{kernels[0]}"]  # the rule: fast dtype, sdpa
+            for key, asked in (("dtype", dtype), ("attention", attention)):
+                if asked == "auto":
+                    out.how[key] = "rule: its timing ran out of memory"
+            warnings.append(f"one block of {n} x {s.seq_len} tokens did not fit this GPU's memory; train.dtype and train.attention = auto follow the rule ({combos[0]})")  # fmt: skip
+    if len(combos) > 1:
         out.block_ms, out.block_tokens = {c: t * 1e3 for c, t in times.items()}, (n, s.seq_len)
         out.dtype = _pick(times, combos).split("/")[0]  # float32 unless bf16 is clearly faster
         kernels_timed = [c for c in combos if c.startswith(f"{out.dtype}/")]
