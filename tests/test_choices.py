@@ -346,17 +346,24 @@ def test_the_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatc
     assert not crowded.exists()
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_a_gpu_times_float32_against_its_fast_dtype(monkeypatch, native_bf16, fsdp):
-    """On CUDA, dtype auto times float32 (TF32 as set) against bf16, or float16 where bf16 is not
-    native (not under FSDP: no sharded float16 scaler, so float32 alone), and keeps the faster."""
+def _fake_gpu(monkeypatch, native_bf16: bool = True):
+    """decide("cuda", ...) on a CPU: a named GPU, bf16 native or not, blocks never built."""
     from gptrain.training import choices, precision
 
     monkeypatch.setattr(choices, "machine", lambda device: "a fake GPU")
     monkeypatch.setattr(choices, "block_run", lambda *args: lambda: None)  # no CUDA block here
     monkeypatch.setattr(choices, "cuda_supports_bf16", lambda: native_bf16)
     monkeypatch.setattr(precision, "cuda_supports_bf16", lambda: native_bf16)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_a_gpu_times_float32_against_its_fast_dtype(monkeypatch, native_bf16, fsdp):
+    """On CUDA, dtype auto times float32 (TF32 as set) against bf16, or float16 where bf16 is not
+    native (not under FSDP: no sharded float16 scaler, so float32 alone), and keeps the faster."""
+    from gptrain.training import precision
+
+    _fake_gpu(monkeypatch, native_bf16)
     low = "bfloat16" if native_bf16 else "float16"
     for low_time, expected in ((0.3, low), (1 - MARGIN / 2, "float32")):
         timer = FakeTimer(**{f"block__{low}__sdpa": low_time, f"block__{low}__matmul": low_time})
@@ -368,15 +375,6 @@ def test_a_gpu_times_float32_against_its_fast_dtype(monkeypatch, native_bf16, fs
         assert (c.dtype, timed, c.how["dtype"]) == (expected, sorted(["float32", low]), "measured")
         assert precision.resolve_dtype("auto", "cuda", fsdp, measured=c.dtype) == getattr(torch, expected)  # fmt: skip
     assert precision.resolve_dtype("auto", "cuda", fsdp) == getattr(torch, "float32" if fsdp and not native_bf16 else low)  # fmt: skip
-
-
-def _fake_gpu(monkeypatch):
-    from gptrain.training import choices, precision
-
-    monkeypatch.setattr(choices, "machine", lambda device: "a fake GPU")
-    monkeypatch.setattr(choices, "block_run", lambda *args: lambda: None)
-    monkeypatch.setattr(choices, "cuda_supports_bf16", lambda: True)
-    monkeypatch.setattr(precision, "cuda_supports_bf16", lambda: True)
 
 
 def test_a_gpu_times_at_most_gpu_block_flops_of_sequences(monkeypatch):

@@ -188,7 +188,7 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
             if not cuda:
                 raise
             torch.cuda.empty_cache()
-            times, combos = None, [f"{dtypes[-1]}/{kernels[0]}"]  # the rule: fast dtype, sdpa
+            combos = [f"{dtypes[-1]}/{kernels[0]}"]  # the rule: the fast dtype, sdpa (below)
             for key, asked in (("dtype", dtype), ("attention", attention)):
                 if asked == "auto":
                     out.how[key] = "rule: its timing ran out of memory"
