@@ -123,19 +123,24 @@ def test_retention_over_a_long_run_with_resumes(byte_data, tmp_path):
     assert checkpoint.latest(run_dir).name == "step_00000020"
 
 
+@pytest.mark.parametrize("fails", ["fsync_write", "fsync_file"])
 def test_a_save_that_runs_out_of_disk_space_keeps_the_previous_checkpoint(
-    byte_data, tmp_path, capsys, monkeypatch
+    byte_data, tmp_path, capsys, monkeypatch, fails
 ):
+    """The disk fills while meta.json is written (fsync_write), or while model.safetensors and
+    state.pt are written side by side on two threads (fsync_file): one line, exit 2, the previous
+    checkpoint stays `latest`, and the same command resumes once there is space."""
     run_dir = tmp_path / "run"
-    write = ckpt_folder.fsync_write
+    write = getattr(ckpt_folder, fails)
 
-    def full_disk(path, data):
+    def full_disk(path, *data):
         if ".tmp-step_00000004" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
-        write(path, data)
+        write(path, *data)
 
-    monkeypatch.setattr(ckpt_folder, "fsync_write", full_disk)
-    assert cli_train(byte_data, run_dir, "train.max_steps=4", "checkpoint.every=2", *QUICK) == 2
+    monkeypatch.setattr(ckpt_folder, fails, full_disk)
+    args = ("train.max_steps=4", "checkpoint.every=2", "checkpoint.io_threads=2", *QUICK)
+    assert cli_train(byte_data, run_dir, *args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "No space left on device" in err[0] and "step_00000002" in err[0]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
@@ -146,7 +151,7 @@ def test_a_save_that_runs_out_of_disk_space_keeps_the_previous_checkpoint(
     assert folder.name == "step_00000002" and retention.problem(folder) is None
     assert checkpoint.load_state(folder)["train_state"]["step"] == 2
     monkeypatch.undo()  # space again: the same command resumes from step 2
-    assert cli_train(byte_data, run_dir, "train.max_steps=4", "checkpoint.every=2", *QUICK) == 0
+    assert cli_train(byte_data, run_dir, *args) == 0
     assert checkpoint.latest(run_dir).name == "step_00000004"
 
 
