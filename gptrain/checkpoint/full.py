@@ -54,7 +54,7 @@ def save(
     since it is read back with weights_only=True;
     tied: {alias key: source key} of shared parameters (found from shared storage otherwise,
     but a gathered FSDP state dict holds separate copies);
-    threads: how many files are hashed at once (folder.io_threads).
+    threads: how many files are written and hashed at once (folder.io_threads).
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -104,7 +104,8 @@ def _write_folder(tmp: Path, step: int, model_state: dict, meta: dict, state, ti
         torch.save(state, tmp / "state.pt")
         folder.fsync_file(tmp / "state.pt")
 
-    # the two large files at once where threads allow (GPT-2 124M's on 2 cores: 1.7x faster);
+    # the two large files at once where threads allow (a GPT-2 124M-sized save on 2 cores:
+    # 1.4-2.0x faster, docs/resume.md "Save speed");
     # result() raises a write's error (a full disk) here, after both have ended
     writes = [write_model] + [write_state] * (state is not None)
     with ThreadPoolExecutor(max(1, min(threads, len(writes)))) as pool:
