@@ -35,7 +35,7 @@ import copy
 import pickle
 import shutil
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -211,8 +211,8 @@ def verify(ckpt_dir, meta: dict, info, group) -> None:
         return ""
 
     mine = names[info.rank :: max(info.world_size, 1)]
-    with ThreadPoolExecutor(max(1, min(folder.io_threads(info.local_world_size), len(mine)))) as pool:  # fmt: skip
-        error = next((e for e in pool.map(problem, mine) if e), "")
+    errors = folder.in_threads(problem, mine, folder.io_threads(info.local_world_size))
+    error = next((e for e in errors if e), "")
     failed = torch.tensor([1.0 if error else 0.0])
     if group is not None:
         tdist.all_reduce(failed, group=group)

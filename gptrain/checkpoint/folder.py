@@ -152,12 +152,18 @@ def io_threads(local_processes: int, asked: int = 0) -> int:
     return max(1, min(MAX_IO_THREADS, cpu_cores() // max(1, local_processes)))
 
 
+def in_threads(fn, items, threads: int) -> list:
+    """[fn(item) for item in items], `threads` at a time (file I/O and hashlib release the GIL);
+    the first error raises here once every call has ended."""
+    items = list(items)
+    with ThreadPoolExecutor(max(1, min(threads, len(items)))) as pool:
+        return list(pool.map(fn, items))
+
+
 def file_records(paths, threads: int = 1) -> dict:
-    """{name: file_record} for several files, hashed `threads` at a time (hashlib releases the
-    GIL while it hashes)."""
+    """{name: file_record} for several files, hashed `threads` at a time."""
     paths = list(paths)
-    with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
-        return {p.name: r for p, r in zip(paths, pool.map(file_record, paths), strict=True)}
+    return {p.name: r for p, r in zip(paths, in_threads(file_record, paths, threads), strict=True)}
 
 
 def file_record(path: Path) -> dict:

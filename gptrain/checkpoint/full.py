@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -106,11 +105,9 @@ def _write_folder(tmp: Path, step: int, model_state: dict, meta: dict, state, ti
 
     # the two large files at once where threads allow (a GPT-2 124M-sized save on 2 cores:
     # 1.4-2.0x faster, docs/resume.md "Save speed");
-    # result() raises a write's error (a full disk) here, after both have ended
+    # a write's error (a full disk) raises here, after both have ended
     writes = [write_model] + [write_state] * (state is not None)
-    with ThreadPoolExecutor(max(1, min(threads, len(writes)))) as pool:
-        for done in [pool.submit(w) for w in writes]:
-            done.result()
+    folder.in_threads(lambda write: write(), writes, threads)
     tok_file = meta.get("tokenizer", {}).get("path")  # a trained BPE: keep it with the weights
     if tok_file and Path(tok_file).is_file():
         folder.fsync_write(tmp / folder.TOKENIZER_FILE, Path(tok_file).read_bytes())
