@@ -82,6 +82,9 @@ class _Zygote:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.connect(self.path)
         req = dict(argv=argv, env=env, cwd=os.fspath(cwd or os.getcwd()), session=new_session)
+        # a fresh interpreter inherits an ignored SIGINT (a background job of a non-interactive
+        # shell starts so); otherwise it installs its KeyboardInterrupt handler
+        req["sigint_ignored"] = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         socket.send_fds(conn, [json.dumps(req).encode()], fds)
         return conn
 
@@ -291,6 +294,8 @@ def _child(req, fds, ready: int) -> None:
 
     if req["session"]:
         os.setsid()
+    ignored = req["sigint_ignored"]  # as the caller's fresh interpreter would start, not the zygote
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:

@@ -2,6 +2,7 @@
 codes, signals, sessions, environment and working directory, and a training run whose weights
 equal a fresh process's bit for bit."""
 
+import contextlib
 import json
 import os
 import signal
@@ -40,16 +41,47 @@ def test_code_and_script_give_what_a_fresh_interpreter_gives(tmp_path):
     assert "unknown command 'fly'" in fork.stderr
 
 
+SLEEPER = [sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(60)"]
+
+
+@contextlib.contextmanager
+def sigint(handler):
+    """This process's SIGINT disposition set to `handler` meanwhile: its children start with it
+    (a suite run as a background job of a non-interactive shell starts with SIGINT ignored)."""
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
 def test_signals_end_it_as_they_end_a_fresh_process(sig):
-    args = [sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(60)"]
     codes = []
-    for popen in (subprocess.Popen, forked.Popen):
-        p = popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert p.stdout.readline() == "up\n"
-        p.send_signal(sig)
-        codes.append(p.wait(timeout=30))
+    with sigint(signal.default_int_handler):  # as from an interactive shell, however pytest runs
+        for popen in (subprocess.Popen, forked.Popen):
+            p = popen(SLEEPER, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            assert p.stdout.readline() == "up\n"
+            p.send_signal(sig)
+            codes.append(p.wait(timeout=30))
     assert codes == [-sig, -sig]
+
+
+def test_a_sigint_its_caller_ignores_is_ignored_as_by_a_fresh_process():
+    """A caller that ignores SIGINT starts children that ignore it: a fresh interpreter inherits
+    that, and a forked child follows the caller at the time of the call, not the zygote."""
+    for handler in (signal.SIG_IGN, signal.default_int_handler, signal.SIG_IGN):
+        ignored = handler is signal.SIG_IGN
+        with sigint(handler):
+            for popen in (subprocess.Popen, forked.Popen):
+                p = popen(SLEEPER, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                assert p.stdout.readline() == "up\n"
+                p.send_signal(signal.SIGINT)
+                if ignored:
+                    with pytest.raises(subprocess.TimeoutExpired):
+                        p.wait(timeout=1)
+                    p.kill()
+                assert p.wait(timeout=30) == (-signal.SIGKILL if ignored else -signal.SIGINT)
 
 
 def test_own_session_own_pid_and_time_out():
