@@ -3,7 +3,6 @@
     git clone https://github.com/karpathy/nanoGPT /path/to/nanoGPT      # where GitHub is reachable
     PYTHONPATH=. python benchmarks/bench_nanogpt.py --nanogpt /path/to/nanoGPT --rounds 2
     PYTHONPATH=. python benchmarks/bench_nanogpt.py --nanogpt DIR --compiled   # + gptrain compiled
-    PYTHONPATH=. python benchmarks/bench_nanogpt.py --nanogpt DIR --halves     # + micro_split=halves
 
 Both train the bench model (4 layers, 4 heads, width 256, 256-token windows, micro-batch 16, one
 micro-step per optimizer step, dropout 0) on tiny shakespeare's characters. nanoGPT runs its own
@@ -50,10 +49,9 @@ def nanogpt_tok_s(nano: Path, compile: bool) -> float:
     return TOKENS_PER_ITER / (sum(ms[-12:]) / 12 / 1e3)
 
 
-def gptrain_tok_s(steps: int, compile: bool = False, split: str = "none") -> tuple[float, str]:
+def gptrain_tok_s(steps: int, compile: bool = False) -> tuple[float, str]:
     cmd = [sys.executable, "-m", "gptrain", "bench", "--config", str(REPO / "configs" / "bench.toml"),
-           "--steps", str(steps), "--warmup", "3", f"--train.compile={str(compile).lower()}",
-           f"--train.micro_split={split}"]  # fmt: skip
+           "--steps", str(steps), "--warmup", "3", f"--train.compile={str(compile).lower()}"]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True).stdout
     row = [c.strip() for c in out.strip().splitlines()[-1].strip("|").split("|")]
     return float(row[6].replace(",", "")), row[0]  # tok_per_s, dtype
@@ -66,7 +64,6 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=12, help="gptrain bench's timed steps")
     p.add_argument("--compiled", action="store_true", help="also gptrain with train.compile=true")
-    p.add_argument("--halves", action="store_true", help="also gptrain with train.micro_split=halves")  # fmt: skip
     args = p.parse_args(argv)
     nano = Path(args.nanogpt)
     if not (nano / "train.py").is_file():
@@ -76,8 +73,6 @@ def main(argv=None) -> int:
     best = {"nanoGPT eager": 0.0, "nanoGPT compiled": 0.0, "gptrain": 0.0}
     if args.compiled:
         best["gptrain compiled"] = 0.0
-    if args.halves:
-        best["gptrain halves"] = 0.0
     dtype = ""
     for r in range(args.rounds):
         eager, compiled = nanogpt_tok_s(nano, False), nanogpt_tok_s(nano, True)
@@ -85,8 +80,6 @@ def main(argv=None) -> int:
         results = [eager, compiled, ours]
         if args.compiled:
             results.append(gptrain_tok_s(args.steps, compile=True)[0])
-        if args.halves:
-            results.append(gptrain_tok_s(args.steps, split="halves")[0])
         print(f"round {r + 1}: nanoGPT eager {eager:,.0f}, nanoGPT compiled {compiled:,.0f}, "
               f"gptrain ({dtype}) {', '.join(f'{v:,.0f}' for v in results[2:])} tok/s", flush=True)  # fmt: skip
         for k, v in zip(best, results, strict=True):
@@ -95,7 +88,7 @@ def main(argv=None) -> int:
     print("| run | best tokens/s | vs nanoGPT's faster setting |")
     print("|---|---:|---:|")
     for k, v in best.items():
-        how = "compiled" if "compiled" in k else "eager" + ", train.micro_split=halves" * ("halves" in k)  # fmt: skip
+        how = "compiled" if "compiled" in k else "eager"
         label = f"{k} (float32)" if k.startswith("nanoGPT") else f"gptrain bench ({dtype}, {how})"
         print(f"| {label} | {v:,.0f} | {v / ref:.2f}x |")
     return 0

@@ -49,7 +49,7 @@ def bench_one(
 
     def run_steps(n: int, sync: bool) -> None:
         for _ in range(n):
-            train_step(wrapped, model, optimizer, scaler, next_batch, accum, autocast, cfg.optim.grad_clip, sync=sync, halves=built.halves)  # fmt: skip
+            train_step(wrapped, model, optimizer, scaler, next_batch, accum, autocast, cfg.optim.grad_clip, sync=sync)  # fmt: skip
 
     def timed(n: int, sync: bool) -> float:
         run_steps(warmup, sync)
@@ -76,7 +76,6 @@ def bench_one(
         "world_size": info.world_size,
         "micro_batch": mb,
         "accum": accum,
-        "micro_split": cfg.train.micro_split,
         "step_ms": step_s * 1e3,
         "tok_per_s": tok_per_s,
         "peak_tflops": peaks[key] / 1e12,
@@ -146,7 +145,7 @@ def main(argv: list[str]) -> int:
             print(
                 f"bench: {m.preset or f'{m.n_layer} layers, {m.n_head} heads, width {m.n_embd}'}, seq_len {cfg.train.seq_len}, "
                 f"micro-batch {cfg.train.micro_batch_size}, {cfg.train.total_batch_size} tokens/step, device {info.device}, "
-                f"{torch.get_num_threads()} threads{', train.micro_split=halves' * (cfg.train.micro_split == 'halves')}"
+                f"{torch.get_num_threads()} threads"
             )
             print(format_table(rows))
             if args.json:

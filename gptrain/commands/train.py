@@ -89,7 +89,6 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
                 loss_sum, grad_norm = train_step(
                     run.wrapped, run.model, run.optimizer, run.scaler, run.loader.next_batch,
                     run.accum, run.autocast, cfg.optim.grad_clip, guard=run.nonfinite, step=run.step + 1,
-                    halves=run.halves,
                 )  # fmt: skip
             run.spikes.record(run.step + 1, loss_sum, grad_norm)  # train.spike: no sync here
             run.step += 1

@@ -114,11 +114,6 @@ class TrainConfig:
         "attention kernel: sdpa (scaled_dot_product_attention: flash on GPUs and CPUs), matmul (explicit matmuls, float32 scores and softmax, 128 queries at a time, their probabilities kept for backward), or auto: the faster of the two, timed on one transformer block of the run's shapes at start-up (cached per machine; matmul only where its kept probabilities stay under 1 GiB)",
         ("auto", "sdpa", "matmul"),
     )
-    micro_split: str = opt(
-        "none",
-        "none, or halves (a CPU, one process, no compile, dropout 0): each micro-batch's two row halves at once on two threads with half of the intra-op threads each; gradients are added in a fixed order, so runs stay reproducible. On a shared host whose neighbours take CPU time, 2-11% faster at the bench shapes; on a quiet one within ~3% (docs/benchmarks.md)",
-        ("none", "halves"),
-    )
     tf32: bool = opt(
         True,
         "on CUDA, float32 matmuls may use TensorFloat-32 (Ampere and newer): much faster, ~3 significant digits; MFU's measured peak uses the same setting",

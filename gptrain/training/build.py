@@ -13,7 +13,6 @@ from gptrain.distributed.host import keep_freed_memory
 from gptrain.errors import UserError
 from gptrain.training import batch
 from gptrain.training.choices import Choices, for_run
-from gptrain.training.halves import Halves, ineligible
 from gptrain.training.precision import (
     mixed_precision,
     resolve_dtype,
@@ -111,12 +110,11 @@ def check_saved_arch(config, saved_arch: dict | None) -> None:
 
 class Built(tuple):
     """build_training's result: unpacks as (model, wrapped, optimizer, compute dtype, autocast,
-    scaler), `.choices` holds the measured speed choices behind it (training/choices.py) and
-    `.halves` what train_step takes for train.micro_split = halves (None: one pass)."""
+    scaler); `.choices` holds the measured speed choices behind it (training/choices.py)."""
 
-    def __new__(cls, items: tuple, choices: Choices, halves: Halves | None = None):
+    def __new__(cls, items: tuple, choices: Choices):
         built = super().__new__(cls, items)
-        built.choices, built.halves = choices, halves
+        built.choices = choices
         return built
 
 
@@ -132,13 +130,6 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     rank ever holds the full model, and the init equals the single-process one bit for bit."""
     from gptrain.training.optim import build_optimizer
 
-    halves = None  # checked first: a refusal costs nothing
-    if cfg.train.micro_split == "halves":
-        mb = batch.plan(cfg.train, info.world_size)[0]
-        why = ineligible(info.device_type, info.world_size, compile, cfg.model.dropout, cfg.train.activation_checkpointing, mb)  # fmt: skip
-        if why:
-            raise UserError(f"train.micro_split = 'halves' but {why}; use train.micro_split=none")
-        halves = Halves()
     set_determinism(cfg.train.deterministic)  # before the first matmul (cuBLAS reads its config)
     torch.manual_seed(cfg.train.seed)
     fsdp = parallelize.shards(cfg.dist, info)
@@ -166,7 +157,7 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
         init_sharded(model, info.device)
     optimizer = build_optimizer(model, cfg.optim, device_type=info.device_type, muon_dtype=choices.muon_torch_dtype)  # fmt: skip
     autocast, scaler = mixed_precision(ptdtype, info.device_type)
-    return Built((model, wrapped, optimizer, ptdtype, autocast, scaler), choices, halves)
+    return Built((model, wrapped, optimizer, ptdtype, autocast, scaler), choices)
 
 
 def attention_kernel(choice: str, measured: str) -> str:

@@ -53,7 +53,6 @@ from gptrain.training import batch
 from gptrain.training.build import build_training
 from gptrain.training.choices import Choices
 from gptrain.training.guards import NonFinite, Spikes
-from gptrain.training.halves import Halves
 from gptrain.training.timing import cached_peak
 
 EVAL_KEYS = ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm")
@@ -86,7 +85,6 @@ class Run:
     peak: float = 1.0  # measured peak FLOP/s of this device (main process)
     peak_cached: bool = False  # the peak came from the speed-choice cache
     choices: Choices | None = None  # the measured speed choices (training/choices.py)
-    halves: Halves | None = None  # train.micro_split = halves: train_step's two threads
     flops_per_token: float = 0.0
     step: int = 0
     tokens: int = 0
@@ -197,7 +195,6 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
         },
         ckpt=ckpt,
         choices=built.choices,
-        halves=built.halves,
         flops_per_token=model.flops_per_token(t.seq_len),
         best={k: saved[k] for k in ("best_val_loss", "best_val_step") if k in saved},
     )
@@ -252,7 +249,7 @@ def _start_logging(run: Run, warnings: list[str]) -> None:
             run.logger.echo = run.bar.write
     run.logger.text(
         f"{'resumed from ' + str(run.ckpt) if run.ckpt else 'starting'}: {run.model.num_params():,} parameters, world size {info.world_size}, "
-        f"micro-batch {run.mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {run.accum}{' (each micro-batch in halves on two threads)' if run.halves else ''}, {t.total_batch_size:,} tokens/step, dtype {str(run.ptdtype).removeprefix('torch.')}{' (deterministic kernels)' * t.deterministic}, "
+        f"micro-batch {run.mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {run.accum}, {t.total_batch_size:,} tokens/step, dtype {str(run.ptdtype).removeprefix('torch.')}{' (deterministic kernels)' * t.deterministic}, "
         f"device {info.device}, measured peak {format_flops(run.peak)}{' (cached)' * run.peak_cached}; {run.choices.line()}"
     )
     # the speed-choice cache's (choices and peak), and damaged newer checkpoints resume skipped

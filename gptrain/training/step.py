@@ -10,7 +10,6 @@ import torch
 
 from gptrain.distributed import parallelize
 from gptrain.training.guards import NonFinite
-from gptrain.training.halves import Halves
 
 
 def train_step(
@@ -25,7 +24,6 @@ def train_step(
     sync: bool = True,
     guard: NonFinite | None = None,
     step: int = 0,
-    halves: Halves | None = None,
 ):
     """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as tensors.
 
@@ -33,20 +31,15 @@ def train_step(
     batch's mean loss. Gradients are communicated on the last micro-step only (`no_sync()` /
     `set_requires_gradient_sync` otherwise), overlapping that backward. `sync=False` skips all
     communication (the benchmark uses it to measure the communication share). With `guard`, a
-    step (number `step`) whose gradient norm is NaN/inf leaves weights and optimizer untouched.
-    With `halves` (train.micro_split = halves, one CPU process) each micro-batch's two row halves
-    run at once on two threads (training/halves.py)."""
+    step (number `step`) whose gradient norm is NaN/inf leaves weights and optimizer untouched."""
     loss_sum = None
-    params = [p for p in model.parameters() if p.requires_grad] if halves else []
     for micro in range(accum):
         x, y = next_batch()
         with parallelize.grad_sync(wrapped, sync=sync and micro == accum - 1):
-            loss = halves.micro_step(wrapped, params, x, y, autocast, accum) if halves else None
-            if loss is None:
-                with autocast:
-                    _, loss = wrapped(x, y)
-                loss = loss / accum  # this micro-batch's share of the big batch's mean
-                scaler.scale(loss).backward()
+            with autocast:
+                _, loss = wrapped(x, y)
+            loss = loss / accum  # this micro-batch's share of the big batch's mean
+            scaler.scale(loss).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(
