@@ -75,7 +75,7 @@ def test_loop_hellaswag_equals_gptrain_eval_and_the_hf_export(byte_data, hellasw
     # scorecard: best val loss in summary and meta.json; grouped curves and hparams in TensorBoard
     vals = [(r["val_loss"], r["step"]) for r in logged if "val_loss" in r]
     assert (summary["best_val_loss"], summary["best_val_step"]) == min(vals)
-    # a checkpoint is written before its own step's eval (issue 9): its meta.json holds the best
+    # a checkpoint is written before its own step's eval: its meta.json holds the best
     # of the evals before it; resume adds that step's eval back from metrics.jsonl
     meta = checkpoint.load_meta(checkpoint.find(run_dir, 6))
     assert (meta["best_val_loss"], meta["best_val_step"]) == min(v for v in vals if v[1] < 6)
