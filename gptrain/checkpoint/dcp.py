@@ -48,7 +48,9 @@ from gptrain.errors import UserError, first_line
 LAYOUT = "dcp"  # meta.json "layout" of a sharded checkpoint (full ones have none)
 
 
-def save_training(run_dir, step, model, optimizer, loader, train_state, meta, info, background=False, threads=1):  # fmt: skip
+def save_training(
+    run_dir, step, model, optimizer, loader, train_state, meta, info, background=False, threads=1
+):
     """Collective: a sharded (DCP) checkpoint of every stateful part of an FSDP2 run, each rank's
     shards written and hashed by `threads` threads (one file each, folder.io_threads). Returns the
     function that publishes it (every rank calls it once, see manager.Pending). background (checkpoint.async, DCP only): DCP's async_save stages a copy
@@ -272,10 +274,22 @@ class _MetadataUnpickler(pickle.Unpickler):
     it; anything else (a function, a class with side effects) is refused before it is called."""
 
     MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}  # fmt: skip
+    NAMES = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
 
     def find_class(self, module: str, name: str):
-        found = super().find_class(module, name) if module.startswith("torch") or (module, name) in self.NAMES else None  # fmt: skip
+        found = (
+            super().find_class(module, name)
+            if module.startswith("torch") or (module, name) in self.NAMES
+            else None
+        )
         if (module, name) in self.NAMES or isinstance(found, torch.dtype):
             return found
         if module in self.MODULES and isinstance(found, type) and not name.endswith("Reader"):

@@ -79,7 +79,9 @@ def save(
     return folder.publish(root, name, tmp)
 
 
-def _write_folder(tmp: Path, step: int, model_state: dict, meta: dict, state, tied, threads: int = 1) -> None:  # fmt: skip
+def _write_folder(
+    tmp: Path, step: int, model_state: dict, meta: dict, state, tied, threads: int = 1
+) -> None:
     """Every file of a checkpoint into the temporary folder `tmp`, each fsynced."""
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -88,7 +88,9 @@ def check_async(requested: bool, cfg: DistConfig, info) -> None:
         )
 
 
-def save(run_dir, step, model, optimizer, loader, train_state, meta, info, background=False, io_threads=0):  # fmt: skip
+def save(
+    run_dir, step, model, optimizer, loader, train_state, meta, info, background=False, io_threads=0
+):
     """Collective: a checkpoint of every stateful part; sharded (DCP) for an FSDP2 model, else a
     full one, written and hashed by folder.io_threads(io_threads) threads per process. Returns a
     Pending save; call its wait() (every rank) to publish it. background (checkpoint.async,

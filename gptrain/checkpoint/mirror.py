@@ -52,7 +52,9 @@ class Mirror:
         with self._cv:
             self._next = Path(path)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="gptrain-mirror", daemon=True)  # fmt: skip
+                self._thread = threading.Thread(
+                    target=self._run, name="gptrain-mirror", daemon=True
+                )
                 self._thread.start()
             self._cv.notify_all()
 
@@ -74,7 +76,10 @@ class Mirror:
                 self.upload(path)
             except Exception as e:  # noqa: BLE001 the run goes on; the local copy is intact
                 self.errors.append(f"{path.name}: {first_line(e)}")
-                print(f"gptrain: warning: mirror upload of {path.name} to {self.url} failed ({first_line(e)}); the remote `latest` still names the previous copy", file=sys.stderr)  # fmt: skip
+                print(
+                    f"gptrain: warning: mirror upload of {path.name} to {self.url} failed ({first_line(e)}); the remote `latest` still names the previous copy",
+                    file=sys.stderr,
+                )
             finally:
                 with self._cv:
                     self.busy = None
@@ -133,7 +138,14 @@ class Mirror:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
         except OSError:
             return []
-        return sorted((s for n in names if (s := retention._step_of(n)) is not None and n.startswith(folder.STEP_PREFIX)), reverse=True)  # fmt: skip
+        return sorted(
+            (
+                s
+                for n in names
+                if (s := retention._step_of(n)) is not None and n.startswith(folder.STEP_PREFIX)
+            ),
+            reverse=True,
+        )
 
     def prune(self, newest: str) -> None:
         """Remote retention after `newest` was verified and named in `latest`: the local rules
@@ -172,11 +184,13 @@ def configure(url: str, keep_last: int, keep_every: int) -> Mirror | None:
     _mirror = None
     if not url:
         return None
-    fix = "check the URL, the credentials (environment or config of that filesystem) and the network, or leave checkpoint.mirror empty"  # fmt: skip
+    fix = "check the URL, the credentials (environment or config of that filesystem) and the network, or leave checkpoint.mirror empty"
     try:
         m = Mirror(url, keep_last, keep_every)
     except ImportError as e:
-        raise UserError(f"checkpoint.mirror = {url!r} needs a package that is not installed ({first_line(e)}); install it, e.g. pip install s3fs for s3://") from None  # fmt: skip
+        raise UserError(
+            f"checkpoint.mirror = {url!r} needs a package that is not installed ({first_line(e)}); install it, e.g. pip install s3fs for s3://"
+        ) from None
     except (ValueError, OSError) as e:
         raise UserError(f"checkpoint.mirror = {url!r}: {first_line(e)}; {fix}") from None
     probe = f"{m.root}/.gptrain-probe"
@@ -186,7 +200,9 @@ def configure(url: str, keep_last: int, keep_every: int) -> Mirror | None:
         ok = m.fs.cat_file(probe) == b"ok"
         m.fs.rm(probe)
     except Exception as e:  # noqa: BLE001 any filesystem's error: credentials, network, permissions
-        raise UserError(f"checkpoint.mirror = {url!r} is not reachable or not writable ({type(e).__name__}: {first_line(e)}); {fix}") from None  # fmt: skip
+        raise UserError(
+            f"checkpoint.mirror = {url!r} is not reachable or not writable ({type(e).__name__}: {first_line(e)}); {fix}"
+        ) from None
     if not ok:
         raise UserError(f"checkpoint.mirror = {url!r}: a probe file read back differently; {fix}")
     _mirror = m
@@ -212,7 +228,10 @@ def fetch_newer(run_dir: str | Path, local_step: int | None) -> list[str]:
         why = retention.problem(tmp)
         if why is None:
             folder.publish(root, name, tmp)
-            return [*warnings, f"resumed from the mirror's copy {m.url}/checkpoints/{name} (newer than every valid local checkpoint)"]  # fmt: skip
+            return [
+                *warnings,
+                f"resumed from the mirror's copy {m.url}/checkpoints/{name} (newer than every valid local checkpoint)",
+            ]
         shutil.rmtree(tmp, ignore_errors=True)
         warnings.append(f"skipped mirror checkpoint {m.url}/checkpoints/{name}: {why}")
     return warnings

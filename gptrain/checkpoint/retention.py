@@ -117,7 +117,9 @@ def problem(path: Path) -> str | None:
     return None
 
 
-def prune(run_dir: str | Path, newest: int, keep_last: int, keep_every: int, protect=frozenset()) -> list[str]:  # fmt: skip
+def prune(
+    run_dir: str | Path, newest: int, keep_last: int, keep_every: int, protect=frozenset()
+) -> list[str]:
     """Retention after checkpoint `newest` was written and named in `latest`: of the folders of
     steps <= newest, keep the newest keep_last (newest among them) and every step that is a
     multiple of keep_every (when > 0); delete the rest, each renamed away first so that no

@@ -49,7 +49,17 @@ def bench_one(
 
     def run_steps(n: int, sync: bool) -> None:
         for _ in range(n):
-            train_step(wrapped, model, optimizer, scaler, next_batch, accum, autocast, cfg.optim.grad_clip, sync=sync)  # fmt: skip
+            train_step(
+                wrapped,
+                model,
+                optimizer,
+                scaler,
+                next_batch,
+                accum,
+                autocast,
+                cfg.optim.grad_clip,
+                sync=sync,
+            )
 
     def timed(n: int, sync: bool) -> float:
         run_steps(warmup, sync)

@@ -61,11 +61,15 @@ def load_subject(a, device) -> tuple:
     model = load_hf_folder(a.hf).to(device).eval()
     tokenizer = hf_tokenizer(Path(a.hf), model.config.vocab_size, a.tokenizer)
     if tokenizer.vocab_size != model.config.vocab_size:
-        raise UserError(f"tokenizer vocab {tokenizer.vocab_size} != model vocab {model.config.vocab_size} in {a.hf}; pass --tokenizer")  # fmt: skip
+        raise UserError(
+            f"tokenizer vocab {tokenizer.vocab_size} != model vocab {model.config.vocab_size} in {a.hf}; pass --tokenizer"
+        )
     return model, tokenizer, Path(a.hf).resolve().name, None, None
 
 
-def validation(model, tokenizer, data_dir, eval_tokens: int, seq_len: int, batch: int, info) -> ValLoss:  # fmt: skip
+def validation(
+    model, tokenizer, data_dir, eval_tokens: int, seq_len: int, batch: int, info
+) -> ValLoss:
     """The val task on the data folder's first eval_tokens validation tokens."""
     dataset = Dataset(data_dir)
     if dataset.manifest["tokenizer"].get("hash") != tokenizer.hash:
@@ -73,7 +77,13 @@ def validation(model, tokenizer, data_dir, eval_tokens: int, seq_len: int, batch
             f"--data {data_dir} was prepared with tokenizer {dataset.manifest['tokenizer'].get('name')!r}, the model uses {tokenizer.name!r}; prepare the data with the model's tokenizer"
         )
     byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
-    return ValLoss(dataset, seq_len=seq_len, micro_batch_size=batch, eval_tokens=eval_tokens, byte_lengths=byte_lengths)  # fmt: skip
+    return ValLoss(
+        dataset,
+        seq_len=seq_len,
+        micro_batch_size=batch,
+        eval_tokens=eval_tokens,
+        byte_lengths=byte_lengths,
+    )
 
 
 def hellaswag(model, tokenizer, source: str, limit: int, batch_tokens: int, info) -> HellaSwag:
@@ -100,7 +110,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tasks", default="val,hellaswag", help="comma-separated: val, hellaswag")
     p.add_argument("--data", default="", help="prepared data folder for val (default: the run's)")
     p.add_argument("--val-tokens", type=int, default=65536, help="validation token budget")
-    p.add_argument("--hellaswag", default="hellaswag", help="hellaswag_val.jsonl path or 'hellaswag' (built-in)")  # fmt: skip
+    p.add_argument(
+        "--hellaswag",
+        default="hellaswag",
+        help="hellaswag_val.jsonl path or 'hellaswag' (built-in)",
+    )
     p.add_argument("--hellaswag-limit", type=int, default=0, help="first N examples (0 = all)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per forward")
     p.add_argument("--tokenizer", default="", help="tokenizer of --hf (default: detected)")
@@ -132,9 +146,21 @@ def main(argv: list[str]) -> int:
             if not data:
                 raise UserError("--tasks val needs --data DIR (a folder made by gptrain prepare)")
             seq_len = model.config.block_size
-            chosen.append(validation(model, tokenizer, data, a.val_tokens, seq_len, max(1, a.batch_tokens // seq_len), info))  # fmt: skip
+            chosen.append(
+                validation(
+                    model,
+                    tokenizer,
+                    data,
+                    a.val_tokens,
+                    seq_len,
+                    max(1, a.batch_tokens // seq_len),
+                    info,
+                )
+            )
         if "hellaswag" in tasks:
-            chosen.append(hellaswag(model, tokenizer, a.hellaswag, a.hellaswag_limit, a.batch_tokens, info))  # fmt: skip
+            chosen.append(
+                hellaswag(model, tokenizer, a.hellaswag, a.hellaswag_limit, a.batch_tokens, info)
+            )
         results, details = {}, {}
         for task in chosen:
             outcome = task.run(model, info, autocast)
@@ -144,8 +170,20 @@ def main(argv: list[str]) -> int:
         if info.is_main:
             out = Path(a.out) if a.out else None
             if out is None:
-                out = Path(a.run) / "eval" / f"step_{step:08d}.json" if a.run else Path(f"eval-{name}.json")  # fmt: skip
-            record = {"model": a.run or a.hf, "step": step, "tokenizer": tokenizer.name, "dtype": str(ptdtype).removeprefix("torch."), "world_size": info.world_size, **results, **details}  # fmt: skip
+                out = (
+                    Path(a.run) / "eval" / f"step_{step:08d}.json"
+                    if a.run
+                    else Path(f"eval-{name}.json")
+                )
+            record = {
+                "model": a.run or a.hf,
+                "step": step,
+                "tokenizer": tokenizer.name,
+                "dtype": str(ptdtype).removeprefix("torch."),
+                "world_size": info.world_size,
+                **results,
+                **details,
+            }
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
             tmp.write_text(json.dumps(record, indent=2) + "\n")

@@ -74,7 +74,11 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
         vocab = {chars[b]: b for b in range(256)} | {EOT_TEXT: tokenizer.eot_id}
         return _byte_level_tokenizer(vocab, [], tokenizer.eot_id).to_str()
     if tokenizer.name == "gpt2":
-        ranks = {tokenizer.decode_bytes([i]): i for i in range(tokenizer.vocab_size) if i != tokenizer.eot_id}  # fmt: skip
+        ranks = {
+            tokenizer.decode_bytes([i]): i
+            for i in range(tokenizer.vocab_size)
+            if i != tokenizer.eot_id
+        }
 
         def text(b: bytes) -> str:
             return "".join(chars[x] for x in b)
@@ -116,7 +120,11 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
             "clean_up_tokenization_spaces": False,
         }
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-        source = {"run": str(Path(run_dir).resolve()), "step": meta.get("step"), "tokenizer": tokenizer.identity()}  # fmt: skip
+        source = {
+            "run": str(Path(run_dir).resolve()),
+            "step": meta.get("step"),
+            "tokenizer": tokenizer.identity(),
+        }
         (tmp / "gptrain_export.json").write_text(json.dumps(source, indent=2) + "\n")
         os.replace(tmp, out)
     finally:

@@ -34,23 +34,61 @@ def main(argv) -> int:
         description="Tokenize text (or take llm.c shards) into shards + manifest.json.",
     )
     add = parser.add_argument
-    add("--input", nargs="+", help=f"files, folders, globs, llm.c .bin shards, hf:NAME, or built-in: {', '.join(BUILTIN_CORPORA)}")  # fmt: skip
-    add("--val-input", nargs="+", help="the validation split's own inputs (text, or llm.c val shards); default: held out from --input")  # fmt: skip
+    add(
+        "--input",
+        nargs="+",
+        help=f"files, folders, globs, llm.c .bin shards, hf:NAME, or built-in: {', '.join(BUILTIN_CORPORA)}",
+    )
+    add(
+        "--val-input",
+        nargs="+",
+        help="the validation split's own inputs (text, or llm.c val shards); default: held out from --input",
+    )
     add("--out", help="folder to create (must not exist or be empty)")
-    add("--tokenizer", default=None, help="byte | gpt2 | bpe:PATH (default byte; gpt2 for llm.c shards)")  # fmt: skip
+    add(
+        "--tokenizer",
+        default=None,
+        help="byte | gpt2 | bpe:PATH (default byte; gpt2 for llm.c shards)",
+    )
     add("--text-field", default="text", help="JSONL key / Parquet column of the text")
-    add("--val-fraction", type=float, default=0.1, help="held-out share of the tokens (default 0.1)")  # fmt: skip
-    add("--val-max-tokens", type=int, default=VAL_MAX_TOKENS, help=f"cap on the held-out split with --val-fraction (default {VAL_MAX_TOKENS:,})")  # fmt: skip
+    add(
+        "--val-fraction", type=float, default=0.1, help="held-out share of the tokens (default 0.1)"
+    )
+    add(
+        "--val-max-tokens",
+        type=int,
+        default=VAL_MAX_TOKENS,
+        help=f"cap on the held-out split with --val-fraction (default {VAL_MAX_TOKENS:,})",
+    )
     add("--val-tokens", type=int, default=None, help="validation size in tokens instead")
     add("--shard-tokens", type=int, default=100_000_000)
-    add("--workers", type=int, default=default_workers(), help="tokenizing processes (default: the cores available)")  # fmt: skip
+    add(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help="tokenizing processes (default: the cores available)",
+    )
     add("--seed", type=int, default=1337, help="seed of the val split (and of the shuffle)")
-    add("--shuffle-seed", type=int, default=None, help="seed of the train documents' shuffle (default --seed)")  # fmt: skip
+    add(
+        "--shuffle-seed",
+        type=int,
+        default=None,
+        help="seed of the train documents' shuffle (default --seed)",
+    )
     add("--no-shuffle", action="store_true", help="keep the train documents in input order")
-    add("--utf8-errors", choices=["strict", "replace"], default="replace", help="replace (default): invalid UTF-8 becomes U+FFFD, counted, reported and recorded in the manifest; strict: refuse the input")  # fmt: skip
+    add(
+        "--utf8-errors",
+        choices=["strict", "replace"],
+        default="replace",
+        help="replace (default): invalid UTF-8 becomes U+FFFD, counted, reported and recorded in the manifest; strict: refuse the input",
+    )
     add("--no-progress", action="store_true")
     add("--verify", metavar="DIR", help="check every shard hash of a prepared folder and exit")
-    add("--export-llmc", metavar="DIR", help="write prepared GPT-2 folder DIR as llm.c shards into --out")  # fmt: skip
+    add(
+        "--export-llmc",
+        metavar="DIR",
+        help="write prepared GPT-2 folder DIR as llm.c shards into --out",
+    )
     args = parser.parse_args(argv)
     if args.verify:
         verify_dir(args.verify)
@@ -58,22 +96,44 @@ def main(argv) -> int:
         return 0
     if args.export_llmc:
         if not args.out:
-            raise UserError("gptrain prepare --export-llmc DIR needs --out FOLDER for the llm.c shards")  # fmt: skip
+            raise UserError(
+                "gptrain prepare --export-llmc DIR needs --out FOLDER for the llm.c shards"
+            )
         files = export_llmc(args.export_llmc, args.out)
-        print(f"wrote {args.out}: {len(files)} llm.c shards, {sum(f['tokens'] for f in files):,} tokens")  # fmt: skip
+        print(
+            f"wrote {args.out}: {len(files)} llm.c shards, {sum(f['tokens'] for f in files):,} tokens"
+        )
         return 0
     if not args.input or not args.out:
-        raise UserError("gptrain prepare: --input and --out are required (or --verify DIR, --export-llmc DIR)")  # fmt: skip
+        raise UserError(
+            "gptrain prepare: --input and --out are required (or --verify DIR, --export-llmc DIR)"
+        )
     if args.no_shuffle and args.shuffle_seed is not None:
-        raise UserError("gptrain prepare: --no-shuffle and --shuffle-seed contradict each other; pass one")  # fmt: skip
+        raise UserError(
+            "gptrain prepare: --no-shuffle and --shuffle-seed contradict each other; pass one"
+        )
     t0 = time.perf_counter()
     m = prepare(
-        args.input, args.out, args.tokenizer, args.val_fraction, args.val_tokens, args.shard_tokens,
-        args.workers, args.text_field, args.seed, not args.no_progress, args.utf8_errors,
-        command="gptrain prepare " + shlex.join(argv), val_inputs=args.val_input,
-        val_max_tokens=args.val_max_tokens, shuffle=not args.no_shuffle, shuffle_seed=args.shuffle_seed,
-    )  # fmt: skip
+        args.input,
+        args.out,
+        args.tokenizer,
+        args.val_fraction,
+        args.val_tokens,
+        args.shard_tokens,
+        args.workers,
+        args.text_field,
+        args.seed,
+        not args.no_progress,
+        args.utf8_errors,
+        command="gptrain prepare " + shlex.join(argv),
+        val_inputs=args.val_input,
+        val_max_tokens=args.val_max_tokens,
+        shuffle=not args.no_shuffle,
+        shuffle_seed=args.shuffle_seed,
+    )
     s = m["splits"]
-    print(f"wrote {args.out}: {s['train']['tokens']:,} train + {s['val']['tokens']:,} val tokens, "
-          f"{len(m['shards'])} shards, tokenizer {m['tokenizer']['name']}, {time.perf_counter() - t0:.1f}s")  # fmt: skip
+    print(
+        f"wrote {args.out}: {s['train']['tokens']:,} train + {s['val']['tokens']:,} val tokens, "
+        f"{len(m['shards'])} shards, tokenizer {m['tokenizer']['name']}, {time.perf_counter() - t0:.1f}s"
+    )
     return 0

@@ -45,7 +45,10 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     try:
         # the hang watchdog (phase: start), then the restart ledger: a start in a crash loop
         # ends here (CrashLoop, exit 4); the ledger records how this attempt ends
-        with Watchdog(cfg.dist.hang_timeout_s, info.rank, log_path) as watchdog, attempts.Ledger(cfg.run, info, watchdog) as ledger:  # fmt: skip
+        with (
+            Watchdog(cfg.dist.hang_timeout_s, info.rank, log_path) as watchdog,
+            attempts.Ledger(cfg.run, info, watchdog) as ledger,
+        ):
             watchdog.on_expiry = ledger.hung
             preemption.connect(ledger.signal)  # a signal already received is recorded now
             return _train(cfg, info, watchdog, ledger, preemption)
@@ -53,7 +56,9 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         preemption.restore()
 
 
-def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preemption: Preemption) -> dict:  # fmt: skip
+def _train(
+    cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preemption: Preemption
+) -> dict:
     t, c = cfg.train, cfg.checkpoint
     # checkpoint.mirror: reachable and writable, or one line now (main process; it alone uploads)
     dist.on_main(info, lambda: checkpoint.configure_mirror(c.mirror, c.keep_last, c.keep_every))
@@ -65,7 +70,12 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
             f"stopped by {preemption.received or 'a signal to another rank'} during start-up, before step {run.step + 1}; nothing new to save; run the same command to resume"
         )
         run.close()
-        return {"steps": run.step, "tokens": run.tokens, "world_size": info.world_size, "stopped_by": preemption.received or "signal"}  # fmt: skip
+        return {
+            "steps": run.step,
+            "tokens": run.tokens,
+            "world_size": info.world_size,
+            "stopped_by": preemption.received or "signal",
+        }
     if run.ckpt is None and cfg.eval.every > 0:  # the untrained baseline: curves start at step 0
         watchdog.enter("eval", 0)
         run.logger.log(0, {"tokens": 0, **phases.eval_and_sample(run, 0, True, False)})
@@ -87,9 +97,17 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
             set_lr(run.optimizer, lr, cfg.optim)
             with faults.in_step(run.step + 1, run.model):  # GPTRAIN_FAULT drills; else nothing
                 loss_sum, grad_norm = train_step(
-                    run.wrapped, run.model, run.optimizer, run.scaler, run.loader.next_batch,
-                    run.accum, run.autocast, cfg.optim.grad_clip, guard=run.nonfinite, step=run.step + 1,
-                )  # fmt: skip
+                    run.wrapped,
+                    run.model,
+                    run.optimizer,
+                    run.scaler,
+                    run.loader.next_batch,
+                    run.accum,
+                    run.autocast,
+                    cfg.optim.grad_clip,
+                    guard=run.nonfinite,
+                    step=run.step + 1,
+                )
             run.spikes.record(run.step + 1, loss_sum, grad_norm)  # train.spike: no sync here
             run.step += 1
             run.tokens += t.total_batch_size
@@ -168,7 +186,12 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preem
     if stopped_by:  # the run is not finished: no final summary or plot
         ledger.outcome = "preempted"
         run.close()
-        return {"steps": run.step, "tokens": run.tokens, "world_size": info.world_size, "stopped_by": stopped_by}  # fmt: skip
+        return {
+            "steps": run.step,
+            "tokens": run.tokens,
+            "world_size": info.world_size,
+            "stopped_by": stopped_by,
+        }
     if run.bar:
         run.bar.close()
     summary = phases.finish(run, last)
@@ -213,7 +236,10 @@ def main(argv: list[str]) -> int:
     cfg = load_config(config_file, overrides)
     faults.install(int(os.environ.get("RANK", "0")))  # GPTRAIN_FAULT: malformed is exit 2 here
     if "RANK" not in os.environ:  # not under torchrun: maybe launch the workers ourselves
-        nproc, (low, high) = launch.nproc_for(cfg.dist.nproc_per_node), launch.node_range(cfg.dist.nnodes)  # fmt: skip
+        nproc, (low, high) = (
+            launch.nproc_for(cfg.dist.nproc_per_node),
+            launch.node_range(cfg.dist.nnodes),
+        )
         if nproc > 1 or high > 1:
             check_node_counts(cfg, nproc, low, high)  # fail before spawning anything
             return launch.launch(nproc, argv, cfg.dist)

@@ -106,7 +106,9 @@ def type_name(typ) -> str:
 def _coerce(key: str, value, typ: type, from_cli: bool):
     """Check (file) or parse (CLI string) one value; UserError naming the key when it does not fit."""
     if typ == INT_OR_AUTO:
-        if value == "auto" or (key == "dist.nnodes" and isinstance(value, str) and not value.strip().isdigit()):  # fmt: skip
+        if value == "auto" or (
+            key == "dist.nnodes" and isinstance(value, str) and not value.strip().isdigit()
+        ):
             return (
                 value  # dist.nnodes = MIN:MAX (elastic): checked by DistConfig.check (sections.py)
             )

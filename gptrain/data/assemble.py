@@ -90,7 +90,9 @@ class Pieces:
 
     def tokens(self, docs: np.ndarray) -> int:
         """Tokens of `docs` (no separators), summed CHUNK documents at a time."""
-        return sum(int(self.doc_lengths(docs[i : i + CHUNK]).sum()) for i in range(0, len(docs), CHUNK))  # fmt: skip
+        return sum(
+            int(self.doc_lengths(docs[i : i + CHUNK]).sum()) for i in range(0, len(docs), CHUNK)
+        )
 
     def cut_single(self, keep: int) -> Pieces:
         """The one document cut after `keep` tokens: a train document and a val document."""
@@ -104,7 +106,14 @@ class Pieces:
         return Pieces(length, start, part_end, np.array([0, k + 1]), np.array([1, 2], np.int8))
 
 
-def choose_val(p: Pieces, candidates: np.ndarray, val_fraction: float, val_tokens: int | None, seed: int, val_max_tokens: int | None = VAL_MAX_TOKENS) -> np.ndarray:  # fmt: skip
+def choose_val(
+    p: Pieces,
+    candidates: np.ndarray,
+    val_fraction: float,
+    val_tokens: int | None,
+    seed: int,
+    val_max_tokens: int | None = VAL_MAX_TOKENS,
+) -> np.ndarray:
     """The validation documents among `candidates`. They are taken in a seeded random order
     until they reach the budget: `val_tokens`, else `val_fraction` of the candidates' tokens
     (the last document may pass it); with a fraction, never more than `val_max_tokens` in all."""
@@ -162,7 +171,14 @@ def check_sizes(train: int, val: int) -> None:
         )
 
 
-def split_orders(p: Pieces, val_fraction: float, val_tokens: int | None, val_max_tokens: int | None, seed: int, shuffle_seed: int | None) -> dict[str, np.ndarray]:  # fmt: skip
+def split_orders(
+    p: Pieces,
+    val_fraction: float,
+    val_tokens: int | None,
+    val_max_tokens: int | None,
+    seed: int,
+    shuffle_seed: int | None,
+) -> dict[str, np.ndarray]:
     """Each split's documents in stream order: val (those marked val, and those choose_val draws
     from the unmarked ones; input order) and train (the rest, shuffled unless shuffle_seed is
     None). Refuses an empty split."""
@@ -180,7 +196,9 @@ def split_orders(p: Pieces, val_fraction: float, val_tokens: int | None, val_max
 
 
 # --- the folder: span tables and document indexes (the tokens stay in the parts) ---------------
-def write_split(folder: Path, split: str, p: Pieces, docs: np.ndarray, shard_tokens: int) -> tuple[list[dict], dict, int]:  # fmt: skip
+def write_split(
+    folder: Path, split: str, p: Pieces, docs: np.ndarray, shard_tokens: int
+) -> tuple[list[dict], dict, int]:
     """`split`'s span table (int64 (4, pieces): stream position, length, part, start; written
     one row at a time, CHUNK documents at a time) and its shards' document indexes. Returns
     (manifest shard entries, the span table's record, tokens in the stream)."""
@@ -226,11 +244,23 @@ def write_split(folder: Path, split: str, p: Pieces, docs: np.ndarray, shard_tok
     entries = []
     for s, idx in enumerate(index.finish()):
         a, b = s * shard_tokens, min((s + 1) * shard_tokens, total)
-        entries.append({"file": f"{split}_{s:06d}", "format": "composed", "split": split, "start": a, "tokens": b - a, "spans": path.name, "index": idx})  # fmt: skip
+        entries.append(
+            {
+                "file": f"{split}_{s:06d}",
+                "format": "composed",
+                "split": split,
+                "start": a,
+                "tokens": b - a,
+                "spans": path.name,
+                "index": idx,
+            }
+        )
     return entries, record, total
 
 
-def write_splits(folder: Path, p: Pieces, orders: dict, shard_tokens: int) -> tuple[list[dict], dict, dict]:  # fmt: skip
+def write_splits(
+    folder: Path, p: Pieces, orders: dict, shard_tokens: int
+) -> tuple[list[dict], dict, dict]:
     """write_split for every split (train first): (manifest shard entries, span table records,
     each split's tokens and documents)."""
     shards, spans, splits = [], {}, {}

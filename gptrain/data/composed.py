@@ -54,7 +54,9 @@ class PartFiles:
                     f"cannot read {path}: {e.strerror}; re-run gptrain prepare"
                 ) from None
             if size != int(part["tokens"]) * self.dtype.itemsize:
-                raise UserError(f"truncated part {path}: {size} bytes, the manifest says {part['tokens']} tokens; re-run gptrain prepare")  # fmt: skip
+                raise UserError(
+                    f"truncated part {path}: {size} bytes, the manifest says {part['tokens']} tokens; re-run gptrain prepare"
+                )
 
     def read(self, part: int, start: int, n: int) -> np.ndarray:
         # one reader at a time (the loader's prefetch thread and val batches share a Dataset):
@@ -153,7 +155,9 @@ def verify(folder, manifest: dict) -> None:
     for part in manifest.get("parts", []):
         path = folder / part["file"]
         if not path.is_file() or path.stat().st_size != part["tokens"] * dtype.itemsize:
-            raise UserError(f"{path} is missing or not {part['tokens']} tokens long; re-run gptrain prepare")  # fmt: skip
+            raise UserError(
+                f"{path} is missing or not {part['tokens']} tokens long; re-run gptrain prepare"
+            )
         sha, top = hashlib.sha256(), -1
         with open(path, "rb") as f:
             while block := f.read(1 << 25):
@@ -162,7 +166,9 @@ def verify(folder, manifest: dict) -> None:
         if sha.hexdigest() != part["sha256"]:
             raise UserError(f"hash mismatch for {path}: the file changed, re-run gptrain prepare")
         if top >= vocab:
-            raise UserError(f"{path}: token id {top} >= vocabulary size {vocab}; the part was made with another tokenizer")  # fmt: skip
+            raise UserError(
+                f"{path}: token id {top} >= vocabulary size {vocab}; the part was made with another tokenizer"
+            )
     sizes = np.array([p["tokens"] for p in manifest.get("parts", [])] + [0], dtype=np.int64)
     for record in manifest.get("spans", {}).values():
         spans = load_spans(folder, record["file"], record["sha256"])
@@ -175,4 +181,6 @@ def verify(folder, manifest: dict) -> None:
             or (start + length > sizes[part]).any()
             or (np.diff(spans[POS]) < length[:-1]).any()
         ):
-            raise UserError(f"span table {folder / record['file']} points outside its parts; re-run gptrain prepare")  # fmt: skip
+            raise UserError(
+                f"span table {folder / record['file']} points outside its parts; re-run gptrain prepare"
+            )

@@ -123,7 +123,9 @@ def export_llmc(src, out) -> list[dict]:
             "GPT-2 tokens: prepare the text with --tokenizer gpt2 first"
         )
     if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} already exists and is not empty; delete it or choose another folder")  # fmt: skip
+        raise UserError(
+            f"--out {out} already exists and is not empty; delete it or choose another folder"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -85,7 +85,9 @@ def encode_units(tok, units, workers: int):
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     _worker_tokenizer = tok  # what forked workers inherit
     try:
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(tok.identity(),)) as pool:  # fmt: skip
+        with ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=_init_worker, initargs=(tok.identity(),)
+        ) as pool:
             pending = deque()
             for unit in units:
                 pending.append((unit, pool.submit(_encode_pieces, [p for _, p in unit])))

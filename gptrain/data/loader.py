@@ -56,7 +56,9 @@ class Dataset:
                 raise UserError(
                     f"{self.data_dir}/manifest.json: shard {entry.get('file')} has split {entry.get('split')!r}; allowed: train, val"
                 )
-        for entry, tokens in zip(self.manifest["shards"], open_entries(self.data_dir, self.manifest), strict=True):  # fmt: skip
+        for entry, tokens in zip(
+            self.manifest["shards"], open_entries(self.data_dir, self.manifest), strict=True
+        ):
             self.shards[entry["split"]].append(tokens)
             self.entries[entry["split"]].append(entry)
         self._tokenizer: Tokenizer | None = None
@@ -89,7 +91,17 @@ class Dataset:
 class TrainLoader:
     """Batches of (x, y) windows over the train split; see the module docstring for the order."""
 
-    def __init__(self, dataset: Dataset, seq_len: int, micro_batch_size: int, rank: int, world_size: int, seed: int, stride: int | None = None, device: str | torch.device = "cpu"):  # fmt: skip
+    def __init__(
+        self,
+        dataset: Dataset,
+        seq_len: int,
+        micro_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        stride: int | None = None,
+        device: str | torch.device = "cpu",
+    ):
         self.dataset, self.seq_len, self.micro_batch_size = (
             dataset,
             int(seq_len),
@@ -222,7 +234,15 @@ class TrainLoader:
         self._ahead = None
 
 
-def val_batches(dataset: Dataset, seq_len: int, micro_batch_size: int, eval_tokens: int, rank: int, world_size: int, device="cpu") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+def val_batches(
+    dataset: Dataset,
+    seq_len: int,
+    micro_batch_size: int,
+    eval_tokens: int,
+    rank: int,
+    world_size: int,
+    device="cpu",
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first eval_tokens // seq_len windows of the val split, window i on rank i % world_size.
 
     Every rank yields the same number of (micro_batch_size, seq_len) batches; rows without a real

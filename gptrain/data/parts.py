@@ -107,7 +107,9 @@ def _file_items(path: str, split: int, text_field: str) -> list[dict]:
             )
         kind = meta.schema_arrow.field(text_field).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise UserError(f"{path}: column {text_field!r} holds {kind}, not text; pass --text-field KEY with the text column")  # fmt: skip
+            raise UserError(
+                f"{path}: column {text_field!r} holds {kind}, not text; pass --text-field KEY with the text column"
+            )
         rows = max(meta.metadata.num_rows, 1)
         groups = [meta.metadata.row_group(g).num_rows for g in range(meta.metadata.num_row_groups)]
         return [  # "bytes": the file's share for the progress bar
@@ -121,7 +123,15 @@ def _file_items(path: str, split: int, text_field: str) -> list[dict]:
     with open(path, "rb") as f:
         while start < st.st_size:
             end = _safe_cut(f, start + RANGE_BYTES, st.st_size, kind == "text")
-            items.append({**ident, "kind": kind, "range": [start, end], "cont": kind == "text" and start > 0, "bytes": end - start})  # fmt: skip
+            items.append(
+                {
+                    **ident,
+                    "kind": kind,
+                    "range": [start, end],
+                    "cont": kind == "text" and start > 0,
+                    "bytes": end - start,
+                }
+            )
             start = end
     return items
 
@@ -143,7 +153,16 @@ def _docs_item(source, texts, split, k, cont_first) -> dict:
     digest = hashlib.sha256()
     for t in texts:
         digest.update(hashlib.sha256(t.encode("utf-8", errors="surrogatepass")).digest())
-    return {"kind": "docs", "source": source, "n": k, "split": split, "texts": texts, "cont": cont_first and k > 0, "sha": digest.hexdigest(), "bytes": sum(map(len, texts))}  # fmt: skip
+    return {
+        "kind": "docs",
+        "source": source,
+        "n": k,
+        "split": split,
+        "texts": texts,
+        "cont": cont_first and k > 0,
+        "sha": digest.hexdigest(),
+        "bytes": sum(map(len, texts)),
+    }
 
 
 def single_cut_items(path: str, val_fraction: float, utf8_errors: str, stats: dict):
@@ -191,7 +210,9 @@ def _item_texts(item: dict, settings: dict, replaced: dict):
         import pyarrow.parquet as pq
 
         try:
-            table = pq.ParquetFile(path).read_row_group(item["group"], columns=[settings["text_field"]])  # fmt: skip
+            table = pq.ParquetFile(path).read_row_group(
+                item["group"], columns=[settings["text_field"]]
+            )
         except Exception as e:
             raise read_error(path, e) from None
         for text in table.column(0).to_pylist():
@@ -207,11 +228,21 @@ def _item_texts(item: dict, settings: dict, replaced: dict):
         else:
             for k, line in enumerate(raw.split(b"\n")):
                 try:
-                    text = jsonl_text(decode_utf8(line, path, errors, replaced, warn=False), path, k + 1, settings["text_field"])  # fmt: skip
+                    text = jsonl_text(
+                        decode_utf8(line, path, errors, replaced, warn=False),
+                        path,
+                        k + 1,
+                        settings["text_field"],
+                    )
                 except UserError:  # name the line the way an editor counts it
                     with open(path, "rb") as f:
                         before = f.read(a).count(b"\n") + k
-                    text = jsonl_text(decode_utf8(line, path, errors, {}, warn=False), path, before + 1, settings["text_field"])  # fmt: skip
+                    text = jsonl_text(
+                        decode_utf8(line, path, errors, {}, warn=False),
+                        path,
+                        before + 1,
+                        settings["text_field"],
+                    )
                 if text:
                     yield text
     elif kind == "text":
@@ -221,7 +252,12 @@ def _item_texts(item: dict, settings: dict, replaced: dict):
     else:  # JSONL, maybe compressed: streamed line by line
         with open_binary(path) as f:
             for lineno, line in enumerate(iter_lines(f, path), 1):
-                text = jsonl_text(decode_utf8(line, path, errors, replaced, warn=False), path, lineno, settings["text_field"])  # fmt: skip
+                text = jsonl_text(
+                    decode_utf8(line, path, errors, replaced, warn=False),
+                    path,
+                    lineno,
+                    settings["text_field"],
+                )
                 if text:
                     yield text
 
@@ -277,7 +313,15 @@ def run_item(item: dict, key: str, workdir: str, settings: dict) -> dict:
     with open(tmp, "wb") as f:
         np.save(f, np.asarray(lengths, dtype=np.int64), allow_pickle=False)
     os.replace(tmp, folder / f"{key}.len.npy")
-    record = {"key": key, "tokens": int(sum(lengths)), "sha256": sha.hexdigest(), "pieces": len(lengths), "cont": bool(item.get("cont")), "split": item["split"], "replaced": replaced}  # fmt: skip
+    record = {
+        "key": key,
+        "tokens": int(sum(lengths)),
+        "sha256": sha.hexdigest(),
+        "pieces": len(lengths),
+        "cont": bool(item.get("cont")),
+        "split": item["split"],
+        "replaced": replaced,
+    }
     tmp = folder / f".{key}.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, folder / f"{key}.json")
@@ -333,7 +377,9 @@ def run_parts(items, tok, workdir: Path, settings: dict, workers: int, bar) -> l
             _tokenizer = None
     else:
         _tokenizer = tok  # what forked workers inherit
-        pool = ProcessPoolExecutor(workers, mp_context=fork_context(), initializer=_init_worker, initargs=(tok.identity(),))  # fmt: skip
+        pool = ProcessPoolExecutor(
+            workers, mp_context=fork_context(), initializer=_init_worker, initargs=(tok.identity(),)
+        )
         try:
             pending = {}
             for item, key in todo():
@@ -351,7 +397,10 @@ def run_parts(items, tok, workdir: Path, settings: dict, workers: int, bar) -> l
             _tokenizer = None
             pool.shutdown(wait=True, cancel_futures=True)
     if reused:
-        print(f"gptrain: resumed: {reused} of {len(keys)} parts were already done in {workdir}", file=sys.stderr)  # fmt: skip
+        print(
+            f"gptrain: resumed: {reused} of {len(keys)} parts were already done in {workdir}",
+            file=sys.stderr,
+        )
     return [records[k] for k in keys]
 
 

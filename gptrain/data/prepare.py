@@ -58,7 +58,9 @@ def check_args(val_fraction, val_tokens, val_max_tokens, shard_tokens, workers) 
             f"--val-fraction {val_fraction} leaves no validation (or no training) tokens; use a value in (0, 1) or --val-tokens N"
         )
     if val_tokens is not None and val_tokens <= 0:
-        raise UserError(f"--val-tokens {val_tokens} leaves no validation tokens; use a positive number")  # fmt: skip
+        raise UserError(
+            f"--val-tokens {val_tokens} leaves no validation tokens; use a positive number"
+        )
     if val_max_tokens is not None and val_max_tokens <= 0:
         raise UserError(f"--val-max-tokens {val_max_tokens}: must be a positive number of tokens")
     if shard_tokens < 1 or workers < 1:
@@ -75,7 +77,19 @@ def is_single_text(expanded: list[str], val_inputs, val_tokens) -> bool:
     return not base_name(item).endswith((".jsonl", ".parquet"))
 
 
-def tokenize_parts(expanded, val_expanded, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens):  # fmt: skip
+def tokenize_parts(
+    expanded,
+    val_expanded,
+    tok,
+    workdir,
+    workers,
+    progress,
+    text_field,
+    utf8_errors,
+    stats,
+    val_fraction,
+    val_tokens,
+):
     """Phase 1: every work item tokenized into its part (finished parts of an earlier run
     reused). Returns (Pieces, part records, part token files, whether it was the single-document
     cut)."""
@@ -92,17 +106,36 @@ def tokenize_parts(expanded, val_expanded, tok, workdir, workers, progress, text
     total = None
     if all(Path(p).is_file() for p in expanded + val_expanded):
         total = sum(Path(p).stat().st_size for p in expanded + val_expanded)
-    settings = {"tokenizer": tok.hash, "text_field": text_field, "utf8_errors": utf8_errors, "chunk": encode.CHUNK_CHARS, "range": parts.RANGE_BYTES, "item": parts.ITEM_CHARS}  # fmt: skip
+    settings = {
+        "tokenizer": tok.hash,
+        "text_field": text_field,
+        "utf8_errors": utf8_errors,
+        "chunk": encode.CHUNK_CHARS,
+        "range": parts.RANGE_BYTES,
+        "item": parts.ITEM_CHARS,
+    }
     workdir.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress, mininterval=0.5)  # fmt: skip
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="tokenize",
+        disable=not progress,
+        mininterval=0.5,
+    )
     with bar:
         records = parts.run_parts(items, tok, workdir, settings, workers, bar)
     for record in records:
         for source, n in record["replaced"].items():
             stats[source] = stats.get(source, 0) + n
     for source, n in stats.items():
-        print(f"gptrain: warning: {source}: replaced {n} invalid UTF-8 sequence(s) with U+FFFD", file=sys.stderr)  # fmt: skip
-    pieces = Pieces.from_parts(records, lambda k: np.load(workdir / f"{records[k]['key']}.len.npy", allow_pickle=False))  # fmt: skip
+        print(
+            f"gptrain: warning: {source}: replaced {n} invalid UTF-8 sequence(s) with U+FFFD",
+            file=sys.stderr,
+        )
+    pieces = Pieces.from_parts(
+        records, lambda k: np.load(workdir / f"{records[k]['key']}.len.npy", allow_pickle=False)
+    )
     return pieces, records, [workdir / f"{r['key']}.tok" for r in records], single
 
 
@@ -137,7 +170,10 @@ def prepare(
     expanded, val_expanded = expand_inputs(inputs), expand_inputs(val_inputs or [])
     flags = llmc_files(expanded + val_expanded)
     if any(flags) and not all(flags):
-        kinds = [("llm.c" if f else "text") + f" {p}" for f, p in zip(flags, expanded + val_expanded, strict=True)]  # fmt: skip
+        kinds = [
+            ("llm.c" if f else "text") + f" {p}"
+            for f, p in zip(flags, expanded + val_expanded, strict=True)
+        ]
         raise UserError(
             f"mixed llm.c shards and text inputs ({kinds[flags.index(True)]}, {kinds[flags.index(False)]}); "
             "prepare them separately: llm.c shards are taken as they are, text is tokenized"
@@ -151,7 +187,9 @@ def prepare(
     lock = exclusive(out.parent / f".{out.name}.lock")  # one prepare per --out at a time
     try:
         if out.exists() and any(out.iterdir()):  # another process published it meanwhile
-            raise UserError(f"--out {out} already exists and is not empty; delete it or choose another folder")  # fmt: skip
+            raise UserError(
+                f"--out {out} already exists and is not empty; delete it or choose another folder"
+            )
         if tok is None:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -159,11 +197,34 @@ def prepare(
             folder = tmp
         else:
             shuffle_seed = shuffle_seed if shuffle_seed is not None else seed if shuffle else None
-            manifest, folder = prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed)  # fmt: skip
+            manifest, folder = prepare_text(
+                inputs,
+                val_inputs,
+                tok,
+                workdir,
+                workers,
+                progress,
+                text_field,
+                utf8_errors,
+                stats,
+                val_fraction,
+                val_tokens,
+                val_max_tokens,
+                shard_tokens,
+                seed,
+                shuffle_seed,
+            )
             manifest["text_field"] = text_field
             manifest["invalid_utf8"] = {"replaced": sum(stats.values()), "files": stats}
-        manifest = {"format": "gptrain-shards", "version": 2 if "parts" in manifest else 1, **manifest, **settings}  # fmt: skip
-        manifest["command"] = command or f"prepare({', '.join(map(repr, inputs))}, tokenizer={tokenizer!r})"  # fmt: skip
+        manifest = {
+            "format": "gptrain-shards",
+            "version": 2 if "parts" in manifest else 1,
+            **manifest,
+            **settings,
+        }
+        manifest["command"] = (
+            command or f"prepare({', '.join(map(repr, inputs))}, tokenizer={tokenizer!r})"
+        )
         write_manifest(folder, manifest)
         publish(folder, out)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -191,12 +252,40 @@ def exclusive(path: Path):
     return f
 
 
-def prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens, val_max_tokens, shard_tokens, seed, shuffle_seed) -> tuple[dict, Path]:  # fmt: skip
+def prepare_text(
+    inputs,
+    val_inputs,
+    tok,
+    workdir,
+    workers,
+    progress,
+    text_field,
+    utf8_errors,
+    stats,
+    val_fraction,
+    val_tokens,
+    val_max_tokens,
+    shard_tokens,
+    seed,
+    shuffle_seed,
+) -> tuple[dict, Path]:
     """Phase 1 (parts), then the split, shuffle and shards: a folder inside the work folder that
     holds the parts (hard links: the tokens are written once), each split's span table and each
     shard's document index. Returns (manifest fields, that folder)."""
     expanded, val_expanded = expand_inputs(inputs), expand_inputs(val_inputs or [])
-    pieces, records, part_paths, single = tokenize_parts(expanded, val_expanded, tok, workdir, workers, progress, text_field, utf8_errors, stats, val_fraction, val_tokens)  # fmt: skip
+    pieces, records, part_paths, single = tokenize_parts(
+        expanded,
+        val_expanded,
+        tok,
+        workdir,
+        workers,
+        progress,
+        text_field,
+        utf8_errors,
+        stats,
+        val_fraction,
+        val_tokens,
+    )
     if int(pieces.length.sum(dtype=np.int64)) == 0:
         raise UserError(f"empty input: {' '.join(inputs)} holds no text")
     if val_inputs and not (pieces.doc_split == 2).any():
@@ -208,7 +297,9 @@ def prepare_text(inputs, val_inputs, tok, workdir, workers, progress, text_field
         if val_tokens is None and val_max_tokens is not None:
             want = min(want, val_max_tokens)
         if want >= n:
-            raise UserError(f"val split takes all {n} tokens, leaving none for training; lower --val-fraction or --val-tokens")  # fmt: skip
+            raise UserError(
+                f"val split takes all {n} tokens, leaving none for training; lower --val-fraction or --val-tokens"
+            )
         pieces = pieces.cut_single(n - want)
     orders = split_orders(pieces, val_fraction, val_tokens, val_max_tokens, seed, shuffle_seed)
     dtype = dtype_for_vocab(tok.vocab_size)

@@ -148,9 +148,15 @@ def open_entries(folder, manifest: dict) -> list:
             end = int(table[0][-1] + table[1][-1]) if table.shape[1] else 0
             if not 0 <= int(entry["start"]) <= int(entry["start"]) + int(entry["tokens"]) <= end:
                 raise ValueError(f"shard {entry['file']} lies outside its span table")
-            out.append(composed.Composed(table, entry["start"], entry["tokens"], files, int(manifest["eot_id"])))  # fmt: skip
+            out.append(
+                composed.Composed(
+                    table, entry["start"], entry["tokens"], files, int(manifest["eot_id"])
+                )
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"{Path(folder) / MANIFEST}: malformed composed shard entry ({e}); re-run gptrain prepare") from None  # fmt: skip
+            raise UserError(
+                f"{Path(folder) / MANIFEST}: malformed composed shard entry ({e}); re-run gptrain prepare"
+            ) from None
     return out
 
 

@@ -49,7 +49,9 @@ def parse(spec: str) -> list[Fault]:
         if kind not in KINDS:
             raise UserError(f"{ENV} = {spec!r}: unknown fault kind {kind!r} in {entry!r}; {fix}")
         if not at or not step.isdigit() or int(step) < 1 or (slash and not rank.isdigit()):
-            raise UserError(f"{ENV} = {spec!r}: malformed entry {entry!r} (STEP >= 1, RANK >= 0); {fix}")  # fmt: skip
+            raise UserError(
+                f"{ENV} = {spec!r}: malformed entry {entry!r} (STEP >= 1, RANK >= 0); {fix}"
+            )
         faults.append(Fault(kind, int(step), int(rank) if slash else None))
     return faults
 

@@ -56,7 +56,9 @@ def parse(setting: int | str) -> float | None:
 class Watchdog:
     """One per process. `start()` (phase 'start'), `enter(phase, step)` at each boundary, `stop()`."""
 
-    def __init__(self, setting: int | str, rank: int, log_path=None, on_expiry=None, clock=time.monotonic):  # fmt: skip
+    def __init__(
+        self, setting: int | str, rank: int, log_path=None, on_expiry=None, clock=time.monotonic
+    ):
         self.setting, self.rank, self.log_path, self.on_expiry = setting, rank, log_path, on_expiry
         self.fixed = parse(setting)
         self.enabled = self.fixed != 0
@@ -73,7 +75,9 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         if self.enabled:
-            self._thread = threading.Thread(target=self._watch, name="gptrain-watchdog", daemon=True)  # fmt: skip
+            self._thread = threading.Thread(
+                target=self._watch, name="gptrain-watchdog", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -126,7 +130,11 @@ class Watchdog:
                 return
 
     def _expire(self, phase: str, step: int | None, elapsed: float, budget: float) -> None:
-        what = {"start": "start-up", "step": f"step {step}", "save": f"the checkpoint save at step {step}"}  # fmt: skip
+        what = {
+            "start": "start-up",
+            "step": f"step {step}",
+            "save": f"the checkpoint save at step {step}",
+        }
         what = what.get(phase, f"the {phase} at step {step}")
         where = self.log_path if self.log_path else "stderr"
         line = (
@@ -169,7 +177,10 @@ def _bounded(fn, timeout_s: float = BOUNDED_S) -> None:
 
 # --- the NCCL flight recorder (CUDA) -------------------------------------------------------------
 
-PIPE_VAR, DUMP_VARS = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE", ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")  # fmt: skip
+PIPE_VAR, DUMP_VARS = (
+    "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
+    ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE"),
+)
 BUFFER_VARS = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
 
 
@@ -205,6 +216,8 @@ def dump_flight_recorder(rank: int, env=os.environ, wait_s: float = 8.0) -> str 
     while time.monotonic() < deadline and not os.path.exists(target):
         time.sleep(0.2)
     if os.path.exists(target):
-        print(f"gptrain: watchdog: NCCL flight recorder dump in {target}", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"gptrain: watchdog: NCCL flight recorder dump in {target}", file=sys.stderr, flush=True
+        )
         return target
     return None

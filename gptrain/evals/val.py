@@ -19,12 +19,23 @@ from gptrain.evals.task import Outcome
 
 
 @torch.no_grad()
-def evaluate(model, dataset: Dataset, *, seq_len: int, micro_batch_size: int, eval_tokens: int,
-             info: dist.DistInfo, autocast, byte_lengths: torch.Tensor) -> tuple[float, float]:  # fmt: skip
+def evaluate(
+    model,
+    dataset: Dataset,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    eval_tokens: int,
+    info: dist.DistInfo,
+    autocast,
+    byte_lengths: torch.Tensor,
+) -> tuple[float, float]:
     """(val loss in nats/token, val bits per byte). Collective: every rank calls it."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss*tokens, tokens, bytes
-    batches = val_batches(dataset, seq_len, micro_batch_size, eval_tokens, info.rank, info.world_size, info.device)  # fmt: skip
+    batches = val_batches(
+        dataset, seq_len, micro_batch_size, eval_tokens, info.rank, info.world_size, info.device
+    )
     for x, y in batches:
         with autocast:
             _, loss = model(x, y)
@@ -46,12 +57,29 @@ class ValLoss:
 
     name = "val"
 
-    def __init__(self, dataset: Dataset, *, seq_len: int, micro_batch_size: int, eval_tokens: int, byte_lengths: torch.Tensor):  # fmt: skip
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        eval_tokens: int,
+        byte_lengths: torch.Tensor,
+    ):
         self.dataset, self.seq_len, self.mb = dataset, seq_len, micro_batch_size
         self.eval_tokens, self.byte_lengths = eval_tokens, byte_lengths
 
     def run(self, model, info: dist.DistInfo, autocast) -> Outcome:
-        loss, bpb = evaluate(model, self.dataset, seq_len=self.seq_len, micro_batch_size=self.mb, eval_tokens=self.eval_tokens, info=info, autocast=autocast, byte_lengths=self.byte_lengths)  # fmt: skip
+        loss, bpb = evaluate(
+            model,
+            self.dataset,
+            seq_len=self.seq_len,
+            micro_batch_size=self.mb,
+            eval_tokens=self.eval_tokens,
+            info=info,
+            autocast=autocast,
+            byte_lengths=self.byte_lengths,
+        )
         return Outcome(
             {"val_loss": loss, "val_bpb": bpb}, f"val loss {loss:.4f}, val bpb {bpb:.4f}"
         )

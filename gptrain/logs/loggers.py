@@ -38,7 +38,10 @@ def tracker_key(key: str) -> str:
 def require_packages(tensorboard: bool, wandb_project: str) -> None:
     """The optional logging packages a config asks for are installed (checked on every rank at
     start-up, so a missing one is a one-line error everywhere, not a hang of the other ranks)."""
-    for wanted, module, key in ((tensorboard, "tensorboard", "log.tensorboard = true"), (wandb_project, "wandb", f"log.wandb = {wandb_project!r}")):  # fmt: skip
+    for wanted, module, key in (
+        (tensorboard, "tensorboard", "log.tensorboard = true"),
+        (wandb_project, "wandb", f"log.wandb = {wandb_project!r}"),
+    ):
         if wanted and not _importable(module):
             raise UserError(f"{key} needs the {module} package: pip install {module}")
 
@@ -232,5 +235,10 @@ def scorecard_hparams(t: TrainConfig, o: OptimConfig, arch, tokens: int, train_t
 
 def scorecard_metrics(summary: dict) -> dict:
     """The scorecard's results: best val loss, final val bpb, final HellaSwag."""
-    keys = {"best_val_loss": "best_val_loss", "val_bpb": "final_val_bpb", "hellaswag_acc": "hellaswag_acc", "hellaswag_acc_norm": "hellaswag_acc_norm"}  # fmt: skip
+    keys = {
+        "best_val_loss": "best_val_loss",
+        "val_bpb": "final_val_bpb",
+        "hellaswag_acc": "hellaswag_acc",
+        "hellaswag_acc_norm": "hellaswag_acc_norm",
+    }
     return {new: summary[old] for old, new in keys.items() if old in summary}

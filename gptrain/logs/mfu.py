@@ -31,11 +31,17 @@ PEAK_SHAPES = {
         (1024, 1024, 1024),
         (4096, 1024, 1024),
         (2048, 2048, 2048),
-    ],  # fmt: skip
+    ],
 }
 
 
-def measure_peak_flops(device: str, dtype: torch.dtype, runs: int = 3, max_run_s: float = 0.5, min_run_s: float | None = None) -> float:  # fmt: skip
+def measure_peak_flops(
+    device: str,
+    dtype: torch.dtype,
+    runs: int = 3,
+    max_run_s: float = 0.5,
+    min_run_s: float | None = None,
+) -> float:
     """Peak FLOP/s of this device in `dtype`: the fastest of PEAK_SHAPES, each timed the same way
     for every dtype: one warm-up product, then `runs` complete timed runs, the best kept. The
     shapes go smallest first; a shape whose product would take longer than `max_run_s` at the
@@ -84,14 +90,16 @@ def format_flops(flops_per_s: float) -> str:
     return f"{flops_per_s:.3g} FLOP/s"
 
 
-def checked_mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world_size: int = 1) -> tuple[float, float, str]:  # fmt: skip
+def checked_mfu(
+    tokens_per_s: float, flops_per_token: float, peak_flops: float, world_size: int = 1
+) -> tuple[float, float, str]:
     """(MFU, the peak to use from now on, a warning or ""). Achieved FLOP/s per process above the
     measured peak means the peak missed this device's fastest case: the peak is raised to the
     achieved rate (MFU 1.0, never more) and the warning says so."""
     achieved = tokens_per_s * flops_per_token / world_size
     if achieved <= peak_flops:
         return mfu(tokens_per_s, flops_per_token, peak_flops * world_size), peak_flops, ""
-    warning = f"achieved {format_flops(achieved)} per process exceeds the measured peak {format_flops(peak_flops)}: the peak is raised to it (MFU 100%)"  # fmt: skip
+    warning = f"achieved {format_flops(achieved)} per process exceeds the measured peak {format_flops(peak_flops)}: the peak is raised to it (MFU 100%)"
     return 1.0, achieved, warning
 
 

@@ -39,7 +39,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     rows = read_metrics(run_dir)
     out = Path(out or Path(run_dir) / "loss.png")
-    hella = [(r["tokens"], r["hellaswag_acc"], r["hellaswag_acc_norm"]) for r in rows if "hellaswag_acc_norm" in r]  # fmt: skip
+    hella = [
+        (r["tokens"], r["hellaswag_acc"], r["hellaswag_acc_norm"])
+        for r in rows
+        if "hellaswag_acc_norm" in r
+    ]
     if hella:
         fig, (ax, hx) = plt.subplots(1, 2, figsize=(13, 5))
         tokens, acc, acc_norm = zip(*hella, strict=True)

@@ -207,7 +207,15 @@ class GPT(nn.Module):
             if reduction == "none":
                 per_token = torch.zeros(targets.numel(), dtype=torch.float32, device=x.device)
                 with torch.no_grad():
-                    chunked_loss(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size, rows, False, per_token)  # fmt: skip
+                    chunked_loss(
+                        x.reshape(-1, x.size(-1)),
+                        self.lm_head.weight,
+                        targets.reshape(-1),
+                        self.config.vocab_size,
+                        rows,
+                        False,
+                        per_token,
+                    )
                 return None, per_token.view(targets.shape)  # (B, T)
             loss = linear_cross_entropy(
                 x.reshape(-1, x.size(-1)),  # (B*T, C)

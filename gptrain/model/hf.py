@@ -165,7 +165,9 @@ def load_hf_folder(folder: str | Path, dropout: float = 0.0) -> GPT:
     try:
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {folder / 'config.json'} ({e}); give a Hugging Face GPT-2 folder") from None  # fmt: skip
+        raise UserError(
+            f"cannot read {folder / 'config.json'} ({e}); give a Hugging Face GPT-2 folder"
+        ) from None
     if raw.get("model_type", "gpt2") != "gpt2":
         raise UserError(f"{folder} holds a {raw.get('model_type')!r} model; only GPT-2 loads")
     try:

@@ -23,7 +23,9 @@ LOSS_CHUNK_ELEMENTS = 2**25
 MAX_COMPILED_CHUNKS = 8
 
 
-def chunk_rows(n_rows: int, padded_vocab: int, rows: int | None = None, compiled: bool | None = None) -> int:  # fmt: skip
+def chunk_rows(
+    n_rows: int, padded_vocab: int, rows: int | None = None, compiled: bool | None = None
+) -> int:
     """Rows per loss chunk for n_rows rows: `rows`, else LOSS_CHUNK_ELEMENTS // padded_vocab; for a
     compiled loss (compiled None: while torch.compile traces) enough for at most
     MAX_COMPILED_CHUNKS chunks."""

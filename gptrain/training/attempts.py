@@ -65,7 +65,9 @@ def read(run_dir: str | Path) -> list[dict]:
             n, event = int(row["attempt"]), row["event"]
         except (ValueError, KeyError, TypeError):
             continue
-        a = attempts.setdefault(n, {"attempt": n, "start": None, "signal": None, "end": None, "progress": None})  # fmt: skip
+        a = attempts.setdefault(
+            n, {"attempt": n, "start": None, "signal": None, "end": None, "progress": None}
+        )
         a[event] = row
     return [attempts[n] for n in sorted(attempts) if attempts[n]["start"] is not None]
 
@@ -134,7 +136,9 @@ class Ledger:
         try:
             return self._check_and_record(hosts)
         except OSError as e:
-            raise UserError(f"run.dir = {str(self.run_dir)!r}: cannot write {LEDGER} ({first_line(e)}); use a writable run.dir") from None  # fmt: skip
+            raise UserError(
+                f"run.dir = {str(self.run_dir)!r}: cannot write {LEDGER} ({first_line(e)}); use a writable run.dir"
+            ) from None
 
     def _check_and_record(self, hosts: list[str]) -> tuple[int, str | None]:
         attempts = read(self.run_dir)
@@ -146,9 +150,14 @@ class Ledger:
         self.attempt = (attempts[-1]["attempt"] if attempts else 0) + 1
         step = int(latest.removeprefix("step_")) if latest.startswith("step_") else 0
         self._write(
-            event="start", time=self.watchdog.born if self.watchdog else time.time(), hosts=list(dict.fromkeys(hosts)), world_size=self.info.world_size,
-            start_step=step, last_checkpoint=latest or None, max_failed_attempts=self.limit,
-        )  # fmt: skip
+            event="start",
+            time=self.watchdog.born if self.watchdog else time.time(),
+            hosts=list(dict.fromkeys(hosts)),
+            world_size=self.info.world_size,
+            start_step=step,
+            last_checkpoint=latest or None,
+            max_failed_attempts=self.limit,
+        )
         streak = failed_streak(attempts, latest) if self.limit > 0 else []
         if len(streak) < self.limit or self.limit == 0:
             return self.attempt, None
@@ -201,7 +210,14 @@ class Ledger:
             return
         self._ended = True
         latest = checkpoint.pointer(self.run_dir / "checkpoints") or None
-        self._write(event="end", exit=exit, code=code, last_checkpoint=latest, reason=reason, **self.accounting())  # fmt: skip
+        self._write(
+            event="end",
+            exit=exit,
+            code=code,
+            last_checkpoint=latest,
+            reason=reason,
+            **self.accounting(),
+        )
 
     def progress(self) -> None:
         """After a save: this attempt's accounting so far, for goodput if it later dies unheard."""
@@ -215,10 +231,15 @@ class Ledger:
             return {"step": step}
         t = wd.totals
         return {
-            "step": step, "resumed_step": self.resumed_step, "steps_trained": wd.counts["step"],
-            "startup_s": t["start"], "step_s": t["step"], "first_step_s": wd.first_step_s,
-            "save_s": t["save"] + t["upload"], "eval_s": t["eval"],
-        }  # fmt: skip
+            "step": step,
+            "resumed_step": self.resumed_step,
+            "steps_trained": wd.counts["step"],
+            "startup_s": t["start"],
+            "step_s": t["step"],
+            "first_step_s": wd.first_step_s,
+            "save_s": t["save"] + t["upload"],
+            "eval_s": t["eval"],
+        }
 
     def add_goodput(self, summary: dict, logger) -> None:
         """Main process, at the end: the goodput across every attempt in the ledger (this one up
@@ -231,10 +252,17 @@ class Ledger:
         with open(self.run_dir / "summary.json", "w") as f:
             json.dump(summary, f, indent=2)
         lost = ", ".join(f"{k.removesuffix('_s')} {g[k]:.0f} s" for k in (*PARTS, "other_s"))
-        logger.text(f"goodput {g['goodput']:.1%} of {g['wall_s']:.0f} s over {g['attempts']} attempt(s) ({lost})")  # fmt: skip
+        logger.text(
+            f"goodput {g['goodput']:.1%} of {g['wall_s']:.0f} s over {g['attempts']} attempt(s) ({lost})"
+        )
 
     def _write(self, **row) -> None:
-        row = {"event": row.pop("event"), "attempt": self.attempt, "time": row.pop("time", time.time()), **row}  # fmt: skip
+        row = {
+            "event": row.pop("event"),
+            "attempt": self.attempt,
+            "time": row.pop("time", time.time()),
+            **row,
+        }
         line = json.dumps(row)
         with open(self.path, "a") as f:
             f.write(line + "\n")
@@ -278,7 +306,12 @@ def goodput(attempts: list[dict]) -> dict:
     wall = max(known - attempts[0]["start"]["time"], 1e-9) if attempts else 1e-9
     out["other_s"] = max(wall - sum(out.values()), 0.0)
     out = {k: round(v, 3) for k, v in out.items()}
-    return {"goodput": round(out["productive_s"] / wall, 4), "wall_s": round(wall, 3), **out, "attempts": len(attempts)}  # fmt: skip
+    return {
+        "goodput": round(out["productive_s"] / wall, 4),
+        "wall_s": round(wall, 3),
+        **out,
+        "attempts": len(attempts),
+    }
 
 
 def _resumed(a: dict) -> int:

@@ -98,7 +98,9 @@ def _all_min(flag: int, device) -> int:
     return int(t.item())
 
 
-def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int, device, compiled: bool = False) -> bool:  # fmt: skip
+def trial_fits(
+    wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int, device, compiled: bool = False
+) -> bool:
     """One forward + backward of a (mb, seq_len) batch of random tokens, while a buffer the size
     of AdamW's state (2 floats per local parameter) is held; False on CUDA out-of-memory. The
     trial runs eager; `compiled` (the whole model, loss included, is compiled: compile without
@@ -112,10 +114,15 @@ def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int,
     fsdp = hasattr(wrapped, "set_requires_gradient_sync")
     oom, rows = False, model.loss_chunk_rows
     if compiled and not fsdp:  # FSDP compiles block by block: its loss runs eager
-        model.loss_chunk_rows = chunk_rows(mb * seq_len, model.config.padded_vocab_size, rows, compiled=True)  # fmt: skip
+        model.loss_chunk_rows = chunk_rows(
+            mb * seq_len, model.config.padded_vocab_size, rows, compiled=True
+        )
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())  # fmt: skip
+            numel = sum(
+                p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                for p in model.parameters()
+            )
             reserve = torch.empty(2 * numel, dtype=torch.float32, device=device)  # AdamW m and v
             gen = torch.Generator(device=device).manual_seed(0)
             x = torch.randint(0, vocab_size, (mb, seq_len + 1), device=device, generator=gen)
@@ -135,7 +142,14 @@ def trial_fits(wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int,
     return not oom
 
 
-def resolve(t: TrainConfig, info: dist.DistInfo, wrapped=None, model=None, autocast=None, vocab_size: int = 0) -> tuple[int, int]:  # fmt: skip
+def resolve(
+    t: TrainConfig,
+    info: dist.DistInfo,
+    wrapped=None,
+    model=None,
+    autocast=None,
+    vocab_size: int = 0,
+) -> tuple[int, int]:
     """(micro-batch, accumulation steps) for this run: plan(), then on CUDA with auto the largest
     candidate that fits on every rank (needs the wrapped model, its autocast and the vocabulary)."""
     options = candidates(t, info.world_size)

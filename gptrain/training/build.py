@@ -11,7 +11,6 @@ from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.host import keep_freed_memory
 from gptrain.errors import UserError
-from gptrain.training import batch
 from gptrain.training.choices import Choices, for_run
 from gptrain.training.precision import (
     mixed_precision,
@@ -118,7 +117,15 @@ class Built(tuple):
         return built
 
 
-def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str, compile: bool, saved_arch: dict | None = None, saved_choices: dict | None = None) -> Built:  # fmt: skip
+def build_training(
+    cfg: Config,
+    info: dist.DistInfo,
+    vocab_size: int,
+    dtype: str,
+    compile: bool,
+    saved_arch: dict | None = None,
+    saved_choices: dict | None = None,
+) -> Built:
     """(model, wrapped, optimizer, compute dtype, autocast, scaler), in this order: the model with
     the same initialisation on every rank (same seed), parallelism applied from outside, then the
     optimizer over the (possibly sharded) parameters. train.dtype (`dtype`), train.attention and
@@ -155,7 +162,9 @@ def build_training(cfg: Config, info: dist.DistInfo, vocab_size: int, dtype: str
     )
     if on_meta:  # the same RNG state as build_model's init_weights above: nothing drew since
         init_sharded(model, info.device)
-    optimizer = build_optimizer(model, cfg.optim, device_type=info.device_type, muon_dtype=choices.muon_torch_dtype)  # fmt: skip
+    optimizer = build_optimizer(
+        model, cfg.optim, device_type=info.device_type, muon_dtype=choices.muon_torch_dtype
+    )
     autocast, scaler = mixed_precision(ptdtype, info.device_type)
     return Built((model, wrapped, optimizer, ptdtype, autocast, scaler), choices)
 

@@ -123,7 +123,17 @@ class Choices:
         return f"speed choices in {self.seconds:.2f} s: " + ", ".join(parts)
 
 
-def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "auto", muon_dtype: str | None = None, *, fsdp: bool = False, timer=None, cache_path: Path | None | bool = True) -> Choices:  # fmt: skip
+def decide(
+    device: str,
+    shapes: Shapes,
+    dtype: str = "auto",
+    attention: str = "auto",
+    muon_dtype: str | None = None,
+    *,
+    fsdp: bool = False,
+    timer=None,
+    cache_path: Path | None | bool = True,
+) -> Choices:
     """The run's dtype, attention kernel and (muon_dtype not None) Muon dtype; explicit values are
     kept untimed. `timer(label, fn, rival) -> seconds` times a candidate (default: Clock(); its
     crowding(), when it has one, decides whether the timings may be cached);
@@ -140,7 +150,11 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
     cuda = device.startswith("cuda")
     no_bf16 = "rule: bf16 not native" if cuda else "measured: bf16 emulated"
     out = Choices(dtype=dtype, attention=attention, muon_dtype=muon_dtype, warnings=warnings)
-    wants_bf16 = dtype == "auto" or (dtype == "bfloat16" and attention == "auto") or muon_dtype in ("auto", "bfloat16")  # fmt: skip
+    wants_bf16 = (
+        dtype == "auto"
+        or (dtype == "bfloat16" and attention == "auto")
+        or muon_dtype in ("auto", "bfloat16")
+    )
     native = True
     if cuda:
         native = cuda_supports_bf16()
@@ -148,13 +162,21 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a property of one core; threads would time their contention
         try:
-            mm = measure("bf16-probe", 256, {d: partial(matmul_run, device, d) for d in ("float32", "bfloat16")})  # fmt: skip
+            mm = measure(
+                "bf16-probe",
+                256,
+                {d: partial(matmul_run, device, d) for d in ("float32", "bfloat16")},
+            )
         finally:
             torch.set_num_threads(threads)
         out.bf16_ratio = mm["bfloat16"] / mm["float32"]
         native = out.bf16_ratio <= BF16_EMULATED_RATIO
     if muon_dtype == "bfloat16" and not native:
-        why = "compute capability < 8.0" if cuda else f"a bf16 matmul measured {out.bf16_ratio:.1f}x float32's time"  # fmt: skip
+        why = (
+            "compute capability < 8.0"
+            if cuda
+            else f"a bf16 matmul measured {out.bf16_ratio:.1f}x float32's time"
+        )
         raise UserError(
             f"optim.muon_dtype = 'bfloat16' but this device computes bf16 only by emulation ({why}); use optim.muon_dtype=float32 or auto"
         )
@@ -169,7 +191,9 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
         dtypes, out.how["dtype"] = ["float32"] + ["bfloat16"] * native, "measured"
     s = shapes
     kept = s.n_layer * s.micro_batch * s.n_head * s.seq_len * (s.seq_len + 1) // 2 * 6
-    kernels = ["sdpa"] + ["matmul"] * (kept <= MATMUL_MEMORY) if attention == "auto" else [attention]  # fmt: skip
+    kernels = (
+        ["sdpa"] + ["matmul"] * (kept <= MATMUL_MEMORY) if attention == "auto" else [attention]
+    )
     out.how["attention"] = "config" if attention != "auto" else "measured"
     if kernels == ["sdpa"] and attention == "auto":
         out.how["attention"] = f"rule: matmul would keep {kept / 2**30:.1f} GiB for backward"
@@ -192,7 +216,9 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
             for key, asked in (("dtype", dtype), ("attention", attention)):
                 if asked == "auto":
                     out.how[key] = "rule: its timing ran out of memory"
-            warnings.append(f"one block of {n} x {s.seq_len} tokens did not fit this GPU's memory; train.dtype and train.attention = auto follow the rule ({combos[0]})")  # fmt: skip
+            warnings.append(
+                f"one block of {n} x {s.seq_len} tokens did not fit this GPU's memory; train.dtype and train.attention = auto follow the rule ({combos[0]})"
+            )
     if len(combos) > 1:
         out.block_ms, out.block_tokens = {c: t * 1e3 for c, t in times.items()}, (n, s.seq_len)
         out.dtype = _pick(times, combos).split("/")[0]  # float32 unless bf16 is clearly faster
@@ -220,14 +246,16 @@ def decide(device: str, shapes: Shapes, dtype: str = "auto", attention: str = "a
         out.how = {k: v.replace("measured", "cached") for k, v in out.how.items()}
     crowding = timer.crowding() if hasattr(timer, "crowding") and not cuda else 0.0
     if measure.dirty and crowding > CROWDED:
-        warnings.append(f"other processes took {crowding:.1f} CPU cores from this one while it timed its speed choices: used, not cached")  # fmt: skip
+        warnings.append(
+            f"other processes took {crowding:.1f} CPU cores from this one while it timed its speed choices: used, not cached"
+        )
     else:
         measure.save()
     out.seconds = time.perf_counter() - start
     return out
 
 
-def for_run(cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None = None) -> Choices:  # fmt: skip
+def for_run(cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None = None) -> Choices:
     """decide() for a run: cfg (a config.Config) and its built `model` give the shapes (the
     micro-batch a CPU uses, the model's block, its Muon matrices), `dtype` is train.dtype (bench
     passes its own), `fsdp` whether it shards. Decided on the main process; every rank gets the
@@ -243,7 +271,17 @@ def for_run(cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None
     muon = o.name == "muon"
     matrices = {tuple(p.shape) for p in muon_split(model, 0.0)[0]} if muon else set()
     mb = batch.plan(t, info.world_size)[0]  # what a CPU uses, a GPU tries first
-    shapes = Shapes(mb, t.seq_len, c.n_layer, c.n_embd, c.n_head, c.gelu, c.bias, tuple(sorted(matrices)), o.muon_ns_steps)  # fmt: skip
+    shapes = Shapes(
+        mb,
+        t.seq_len,
+        c.n_layer,
+        c.n_embd,
+        c.n_head,
+        c.gelu,
+        c.bias,
+        tuple(sorted(matrices)),
+        o.muon_ns_steps,
+    )
     muon_dtype = o.muon_dtype if muon else None
     asked = {"dtype": dtype, "attention": t.attention, "muon_dtype": muon_dtype}
     kept = {k: saved[k] for k, v in asked.items() if v == "auto" and (saved or {}).get(k)}
@@ -255,7 +293,9 @@ def for_run(cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None
             if not kept:
                 raise
             out = decide(info.device, shapes, **asked, fsdp=fsdp)
-            out.warnings.append(f"the checkpoint's speed choices {kept} cannot run on this device; decided again")  # fmt: skip
+            out.warnings.append(
+                f"the checkpoint's speed choices {kept} cannot run on this device; decided again"
+            )
             return out
         out.how.update(dict.fromkeys(kept, "checkpoint"))
         return out

@@ -36,7 +36,9 @@ def auto_cuda_dtype(fsdp: bool = False) -> str:
     return "float32" if fsdp else "float16"
 
 
-def resolve_dtype(name: str, device_type: str, fsdp: bool = False, measured: str | None = None) -> torch.dtype:  # fmt: skip
+def resolve_dtype(
+    name: str, device_type: str, fsdp: bool = False, measured: str | None = None
+) -> torch.dtype:
     """train.dtype (auto | float32 | bfloat16 | float16) -> the compute dtype on this device.
     auto: on CUDA auto_cuda_dtype; elsewhere `measured` (choices.py's decision), float32 for a
     caller that measured nothing (never slow: where bf16 is emulated it is ~20x slower)."""
@@ -92,5 +94,5 @@ def nondeterministic_op(e: BaseException) -> str | None:
         return None
     what = "an operation has no deterministic kernel on this device"  # e.g. cuBLAS's own check
     if (phrase := " does not have a deterministic implementation") in text:
-        what = f"{text.split(phrase)[0].strip().splitlines()[-1]} has no deterministic kernel on this device"  # fmt: skip
-    return f"train.deterministic = true, but {what}; use train.deterministic=false (resumes are then exact up to the kernels' run-to-run noise)"  # fmt: skip
+        what = f"{text.split(phrase)[0].strip().splitlines()[-1]} has no deterministic kernel on this device"
+    return f"train.deterministic = true, but {what}; use train.deterministic=false (resumes are then exact up to the kernels' run-to-run noise)"

@@ -182,7 +182,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
             model.config.block_size,
             mb * t.seq_len,
             info,
-        ),  # fmt: skip
+        ),
         logger=None,
         bar=None,
         meta={
@@ -304,7 +304,9 @@ def step_metrics(run: Run, loss_sum, grad_norm, lr: float, steps: int, since: fl
     synchronize(run.info.device)
     tok_per_s = steps * t.total_batch_size / (time.perf_counter() - since)
     # MFU <= 1: an achieved rate above the measured peak raises the peak, with a warning
-    mfu_now, run.peak, warning = checked_mfu(tok_per_s, run.flops_per_token, run.peak, run.info.world_size)  # fmt: skip
+    mfu_now, run.peak, warning = checked_mfu(
+        tok_per_s, run.flops_per_token, run.peak, run.info.world_size
+    )
     if warning:
         run.logger.text(f"warning: step {run.step}: {warning}")
     metrics = {
@@ -344,7 +346,11 @@ def finish(run: Run, last: dict) -> dict:
     from gptrain.logs.plot import plot_run
 
     total = run.elapsed_before + time.perf_counter() - run.t_start
-    loss, tok_per_s, mfu_now = last.get("loss", math.nan), last.get("tok_per_s", 0.0), last.get("mfu", 0.0)  # fmt: skip
+    loss, tok_per_s, mfu_now = (
+        last.get("loss", math.nan),
+        last.get("tok_per_s", 0.0),
+        last.get("mfu", 0.0),
+    )
     val = {k: v for k, v in last.items() if k in EVAL_KEYS}
     summary = {
         "steps": run.step,
@@ -371,7 +377,11 @@ def finish(run: Run, last: dict) -> dict:
             ),
             scorecard_metrics(summary),
         )
-        vals = f", val loss {val['val_loss']:.4f}, val bpb {val['val_bpb']:.4f}" if "val_loss" in val else ""  # fmt: skip
+        vals = (
+            f", val loss {val['val_loss']:.4f}, val bpb {val['val_bpb']:.4f}"
+            if "val_loss" in val
+            else ""
+        )
         run.logger.text(
             f"done: {run.step} steps, {run.tokens:,} tokens in {format_duration(total)}; train loss {loss:.4f}"
             f"{vals}; {tok_per_s:,.0f} tok/s, MFU {mfu_now:.1%}; plot {plot_path}"

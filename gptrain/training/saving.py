@@ -21,7 +21,9 @@ def publish(run: Run):
         return None
     path = done.wait()
     c = run.cfg.checkpoint
-    dist.on_main(run.info, lambda: checkpoint.prune(run.cfg.run.dir, done.step, c.keep_last, c.keep_every))  # fmt: skip
+    dist.on_main(
+        run.info, lambda: checkpoint.prune(run.cfg.run.dir, done.step, c.keep_last, c.keep_every)
+    )
     run.logger.text(f"step {done.step}: checkpoint {path}")
     return path
 
@@ -38,14 +40,23 @@ def save(run: Run, wait: bool):
         "spikes": run.spikes.state_dict(),
     }
     run.pending = checkpoint.save(  # DCP shards under FSDP2, else a full checkpoint
-        run.cfg.run.dir, run.step, run.model, run.optimizer, run.loader, state,
-        {**run.meta, "tokens": run.tokens, **run.best}, run.info, background=run.cfg.checkpoint.async_,
+        run.cfg.run.dir,
+        run.step,
+        run.model,
+        run.optimizer,
+        run.loader,
+        state,
+        {**run.meta, "tokens": run.tokens, **run.best},
+        run.info,
+        background=run.cfg.checkpoint.async_,
         io_threads=run.cfg.checkpoint.io_threads,
-    )  # fmt: skip
+    )
     return publish(run) if wait or not run.cfg.checkpoint.async_ else None
 
 
-def roll_back(run: Run, bad_step: int, step: int, why: str = "non-finite loss or gradient norm") -> None:  # fmt: skip
+def roll_back(
+    run: Run, bad_step: int, step: int, why: str = "non-finite loss or gradient norm"
+) -> None:
     """train.nonfinite or train.spike = rollback (collective): reload the newest valid checkpoint and move the data
     cursor past the batch of `bad_step` (the steps since the checkpoint are trained again on the
     data that follows it); run.step and run.tokens become the checkpoint's."""

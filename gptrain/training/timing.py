@@ -96,13 +96,15 @@ def machine(device: str) -> str:
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)  # fmt: skip
+            info = dict(
+                line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line
+            )
         info = {k.strip(): v.strip() for k, v in info.items()}
-        name = f"{info.get('model name', name)} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"  # fmt: skip
+        name = f"{info.get('model name', name)} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
     except OSError:
         pass
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
-    return f"{name}, {torch.backends.cpu.get_cpu_capability()}{', oneDNN ' + isa if isa else ''}, {torch.get_num_threads()} threads"  # fmt: skip
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}{', oneDNN ' + isa if isa else ''}, {torch.get_num_threads()} threads"
 
 
 class Timings:
@@ -122,7 +124,9 @@ class Timings:
                 raise ValueError("no 'entries' table")
             self.entries = data["entries"]
         except (OSError, ValueError) as e:
-            warnings.append(f"ignoring the damaged speed-choice cache {path} ({e}); measuring again")  # fmt: skip
+            warnings.append(
+                f"ignoring the damaged speed-choice cache {path} ({e}); measuring again"
+            )
 
     def __call__(self, kind: str, shape, candidates: dict, rounds: int = 1) -> dict:
         """{name: seconds} for candidates {name: make} (make() -> the run to time). With rounds=2
@@ -131,15 +135,25 @@ class Timings:
         one of each candidate's timings, not the whole of one candidate's."""
         key = f"{kind}|{self.where}|{json.dumps(shape)}"
         known = self.entries.get(key, {})
-        if not (isinstance(known, dict) and all(k in NAMES[kind] and isinstance(v, float) and 0 < v < math.inf for k, v in known.items())):  # fmt: skip
-            self.warnings.append(f"ignoring a stale or damaged entry of {self.path}: {key}; measuring again")  # fmt: skip
+        if not (
+            isinstance(known, dict)
+            and all(
+                k in NAMES[kind] and isinstance(v, float) and 0 < v < math.inf
+                for k, v in known.items()
+            )
+        ):
+            self.warnings.append(
+                f"ignoring a stale or damaged entry of {self.path}: {key}; measuring again"
+            )
             known = {}
         missing = [c for c in candidates if c not in known]
         self.hits.append(not missing)
         runs = {}
         for r in range(rounds if len(missing) > 1 else 1):
             for name in missing if r % 2 == 0 else missing[::-1]:
-                rival = min((known[c] for c in candidates if c in known and c != name), default=math.inf)  # fmt: skip
+                rival = min(
+                    (known[c] for c in candidates if c in known and c != name), default=math.inf
+                )
                 run = runs[name] = runs.get(name) or candidates[name]()
                 t = self.timer(f"{kind}/{name}", run, rival)
                 known[name] = min(known.get(name, math.inf), t)
@@ -161,7 +175,9 @@ class Timings:
             self.warnings.append(f"cannot write the speed-choice cache {self.path}: {e}")
 
 
-def cached_peak(device: str, dtype: torch.dtype, path: Path | None = None) -> tuple[float, bool, list]:  # fmt: skip
+def cached_peak(
+    device: str, dtype: torch.dtype, path: Path | None = None
+) -> tuple[float, bool, list]:
     """measure_peak_flops through the speed-choice cache: (FLOP/s, from the cache, warnings). As
     with the timings, a peak measured while other processes took cores from this one is used but
     not cached (it would understate the peak, and MFU would overstate, for every later run)."""
@@ -170,7 +186,12 @@ def cached_peak(device: str, dtype: torch.dtype, path: Path | None = None) -> tu
     cuda = device.startswith("cuda")
     clock = Clock()
     where = f"{machine(device)}|torch {torch.__version__}"
-    cache = Timings(default_cache_path() if path is None else path, where, lambda _label, run, _rival: run(), warnings)  # fmt: skip
+    cache = Timings(
+        default_cache_path() if path is None else path,
+        where,
+        lambda _label, run, _rival: run(),
+        warnings,
+    )
     shape = [name, bool(cuda and torch.backends.cuda.matmul.allow_tf32)]  # TF32 sets float32's
     if cuda:  # GPU peaks from before its timed runs were ramped and repeated (logs/mfu.py): stale
         shape.append("ramped")
@@ -227,7 +248,10 @@ def newton_schulz_run(device: str, s, dtype: str):
     """The run of one orthogonalisation in `dtype` of a matrix of each of s.muon's shapes."""
     gen = _generator(device)
     mats = [torch.randn(m, device=device, generator=gen) for m in s.muon]
-    return lambda: ([orthogonalise(g, s.ns_steps, DTYPES[dtype]) for g in mats], synchronize(device))  # fmt: skip
+    return lambda: (
+        [orthogonalise(g, s.ns_steps, DTYPES[dtype]) for g in mats],
+        synchronize(device),
+    )
 
 
 def block_run(device: str, s, n: int, combo: str):
@@ -236,7 +260,16 @@ def block_run(device: str, s, n: int, combo: str):
     from gptrain.model.gpt import Block, GPTConfig
 
     dtype, kernel = combo.split("/")
-    cfg = GPTConfig(vocab_size=64, block_size=s.seq_len, n_layer=1, n_head=s.n_head, n_embd=s.n_embd, dropout=0.0, bias=s.bias, gelu=s.gelu)  # fmt: skip
+    cfg = GPTConfig(
+        vocab_size=64,
+        block_size=s.seq_len,
+        n_layer=1,
+        n_head=s.n_head,
+        n_embd=s.n_embd,
+        dropout=0.0,
+        bias=s.bias,
+        gelu=s.gelu,
+    )
     with torch.device("meta"):
         block = Block(cfg)
     block.to_empty(device=device)
