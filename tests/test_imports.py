@@ -5,6 +5,8 @@ and no module may reach itself through a chain of imports (no circles)."""
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "gptrain"
 
 # The rules, in one table: layer -> the folders (or ground files) in it. A module may import from
@@ -127,15 +129,77 @@ def test_commands_are_imported_only_by_main():
             assert not any(unit(d) == "commands" for d in deps), mod
 
 
+# The whole config: only training/ and commands/ (and config/ itself) may import these names, or
+# the module that defines them (docs/architecture.md).
+WHOLE_CONFIG = ("Config", "load_config")
+MAY_SEE_THE_WHOLE_CONFIG = {"training", "commands", "config"}
+
+
+def sources() -> dict[str, str]:
+    """{module name: source text} of every module of the package."""
+    return {module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def home_of(name: str, texts: dict[str, str]) -> str:
+    """The one module that defines the top-level class or function `name`."""
+    homes = [
+        mod
+        for mod, text in texts.items()
+        for node in ast.parse(text).body
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name
+    ]
+    assert len(homes) == 1, f"{name} is defined in {homes or 'no module'}"
+    return homes[0]
+
+
+def whole_config_imports(texts: dict[str, str]) -> list[str]:
+    """Every import, outside training/, commands/ and config/, of Config or load_config (from any
+    gptrain module) or of the module that defines them (`from gptrain.config import load`,
+    `import gptrain.config.load`, `from gptrain.config.load import ...`)."""
+    homes = {home_of(name, texts) for name in WHOLE_CONFIG}
+    wrong = []
+    for mod, text in texts.items():
+        if unit(mod) in MAY_SEE_THE_WHOLE_CONFIG:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                hits = {a.name for a in node.names} & homes
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gptrain"):
+                names = {a.name for a in node.names}
+                hits = names & set(WHOLE_CONFIG) | {f"{node.module}.{n}" for n in names} & homes
+                hits |= {node.module} & homes
+            else:
+                continue
+            wrong += [f"{mod} imports {h}" for h in sorted(hits)]
+    return wrong
+
+
 def test_only_training_and_commands_see_the_whole_config():
     """Every other component receives its own section (DistConfig, OptimConfig, ...)."""
-    for p in PACKAGE.rglob("*.py"):
-        if unit(module_name(p)) in ("training", "commands", "config"):
-            continue
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "gptrain.config.sections":
-                names = {a.name for a in node.names}
-                assert not names & {"Config", "load_config"}, f"{module_name(p)} imports {names}"
+    texts = sources()
+    assert home_of("Config", texts) == "gptrain.config.load"  # what the rule guards
+    wrong = whole_config_imports(texts)
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from gptrain.config.load import Config",
+        "from gptrain.config.load import load_config as load",
+        "from gptrain.config.load import SECTIONS",
+        "from gptrain.config import load",
+        "import gptrain.config.load",
+        "from gptrain.config.sections import Config",  # even where it is not defined
+    ],
+)
+def test_the_whole_config_check_catches_an_import_of_it(line):
+    """The check is not vacuous: one added import of the whole config, in a module of a lower
+    layer (checkpoint/manager.py), is found; the same line in training/ is allowed."""
+    texts = sources()
+    for mod, caught in (("gptrain.checkpoint.manager", True), ("gptrain.training.run", False)):
+        tampered = {**texts, mod: texts[mod] + f"\n{line}\n"}
+        assert bool(whole_config_imports(tampered)) is caught, (mod, line)
 
 
 def test_outside_checkpoint_only_its_manager_is_used():
@@ -149,11 +213,14 @@ def test_outside_checkpoint_only_its_manager_is_used():
             assert not wrong, (mod, wrong)
 
 
-def test_no_module_over_400_lines_and_no_utils():
+MAX_LINES = 420  # docs/architecture.md: no module over ~400 lines
+
+
+def test_no_module_over_420_lines_and_no_utils():
     for p in PACKAGE.rglob("*.py"):
         assert p.name != "utils.py"
         lines = len(p.read_text().splitlines())
-        assert lines <= 420, f"{p.relative_to(PACKAGE.parent)}: {lines} lines"
+        assert lines <= MAX_LINES, f"{p.relative_to(PACKAGE.parent)}: {lines} lines"
 
 
 def map_entries(text: str) -> set[str]:
