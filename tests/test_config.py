@@ -217,3 +217,38 @@ def test_checkpoint_async_key_and_its_refusals(tmp_path, capsys, monkeypatch):
     assert "checkpoint.async = true needs torch.distributed.checkpoint.async_save" in err
     assert "\n" not in err and "checkpoint.async=false" in err
     assert not run.exists()
+
+
+def test_every_key_has_help_of_at_most_200_characters():
+    """`--help` is a reference line per key (meaning, unit, allowed values): every field of every
+    section dataclass has help text, none longer than 200 characters (reasons and measurements
+    belong in docs/configs.md)."""
+    import dataclasses
+    import inspect
+
+    from gptrain.config import sections
+
+    classes = {cls for _, cls in inspect.getmembers(sections, dataclasses.is_dataclass)}
+    assert {f.default_factory for f in dataclasses.fields(Config)} <= classes
+    too_long, missing = [], []
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            text = f.metadata.get("help")
+            if not isinstance(text, str) or not text.strip():
+                missing.append(f"{cls.__name__}.{f.name}")
+            elif len(text) > 200:
+                too_long.append(f"{cls.__name__}.{f.name} ({len(text)})")
+    assert not missing, f"fields without help: {missing}"
+    assert not too_long, f"help over 200 characters: {too_long}"
+
+
+def test_muon_weight_decay_is_its_own_key():
+    """optim.muon_weight_decay is set on its own, leaving optim.weight_decay at its default; a
+    negative value of either is refused in one line naming the key."""
+    o = load_config(None, ["optim.name=muon", "optim.muon_weight_decay=0.25"]).optim
+    assert (o.muon_weight_decay, o.weight_decay) == (0.25, OptimConfig().weight_decay)
+    assert "--optim.muon_weight_decay (float, default 0.1)" in help_text()
+    for key in ("weight_decay", "muon_weight_decay"):
+        with pytest.raises(UserError, match=rf"optim\.{key} = -0\.1 must be >= 0") as e:
+            load_config(None, [f"optim.{key}=-0.1"])
+        assert "\n" not in str(e.value)

@@ -193,13 +193,15 @@ def _grads(model, seed):
 
 def test_muon_adamw_steps_like_the_two_torch_optimizers():
     """One MuonAdamW step == torch.optim.Muon on the block matrices + torch.optim.AdamW on the
-    rest, with the schedule's lr set through set_lr (Muon's lr scaled by the same fraction)."""
-    cfg = OptimConfig(name="muon", lr=1e-3, muon_lr=0.05, weight_decay=0.1, muon_momentum=0.9)
+    rest, with the schedule's lr set through set_lr (Muon's lr scaled by the same fraction), and
+    each with its own weight decay: optim.muon_weight_decay for Muon, optim.weight_decay for AdamW."""
+    cfg = OptimConfig(name="muon", lr=1e-3, muon_lr=0.05, weight_decay=0.1, muon_weight_decay=0.3, muon_momentum=0.9)  # fmt: skip
     a, b = _model(), _model()
     opt = build_optimizer(a, cfg, "cpu")
     assert isinstance(opt, MuonAdamW) and not isinstance(opt, torch.optim.AdamW)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.1, 0.0]
     muon_b, groups_b = muon_split(b, 0.1)
-    ref_muon = torch.optim.Muon(muon_b, lr=0.05, weight_decay=0.1, momentum=0.9, adjust_lr_fn="original")  # fmt: skip
+    ref_muon = torch.optim.Muon(muon_b, lr=0.05, weight_decay=0.3, momentum=0.9, adjust_lr_fn="original")  # fmt: skip
     ref_adamw = torch.optim.AdamW(groups_b, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
     for step in range(3):
         scale = 0.5 if step == 2 else 1.0
@@ -265,6 +267,38 @@ def test_muon_adamw_state_dict_round_trip_and_exact_continuation():
     for k, v in sa["state"].items():
         for name, t in v.items():
             assert torch.equal(t, sb["state"][k][name]), (k, name)
+
+
+def test_muon_weight_decay_and_weight_decay_each_decay_their_own_matrices():
+    """One MuonAdamW step with zero gradients is weight decay alone, computed by hand: each Muon
+    matrix is multiplied by 1 - lr x optim.muon_weight_decay (Muon's scheduled lr, without its
+    sqrt(rows / cols) factor), each AdamW matrix (wte, wpe) by 1 - lr x optim.weight_decay, and the
+    1-D parameters are left as they are; after set_lr both decays follow the schedule."""
+    muon_lr, lr, muon_wd, wd = (
+        0.2,
+        0.1,
+        1.5,
+        0.5,
+    )  # factors 0.7 and 0.95: told apart at any rounding
+    cfg = OptimConfig(name="muon", lr=lr, muon_lr=muon_lr, weight_decay=wd, muon_weight_decay=muon_wd)  # fmt: skip
+    model = _model()
+    opt = build_optimizer(model, cfg, "cpu")
+    muon_names = _names(model, muon_split(model, wd)[0])
+    assert len(muon_names) == 8  # 2 blocks x (c_attn, attn c_proj, c_fc, mlp c_proj)
+    for scale in (1.0, 0.5):  # the peak, then half of it (set_lr scales both lrs alike)
+        set_lr(opt, lr * scale, cfg)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for n, p in model.named_parameters():
+            if n in muon_names:
+                factor = 1 - muon_lr * scale * muon_wd
+            elif p.dim() >= 2:
+                factor = 1 - lr * scale * wd
+            else:
+                factor = 1.0
+            torch.testing.assert_close(p.detach(), before[n] * factor, rtol=1e-6, atol=0, msg=n)
 
 
 def test_set_lr_adamw_groups():
@@ -373,7 +407,7 @@ def test_float32_orthogonalisation_is_within_1e_5_of_float64():
 def test_muon_adamw_orthogonalises_in_the_chosen_dtype():
     """optim.muon_dtype = float32 (or the measured choice passed in): one step moves each block
     matrix by lr * sqrt(max(1, rows / cols)) * NS(grad) (after decay), NS within 1e-5 of float64."""
-    cfg = OptimConfig(name="muon", muon_lr=0.05, weight_decay=0.1, muon_dtype="float32")
+    cfg = OptimConfig(name="muon", muon_lr=0.05, muon_weight_decay=0.1, muon_dtype="float32")
     model = _model()
     opt = build_optimizer(model, cfg, "cpu")
     assert opt.muon.dtype == torch.float32

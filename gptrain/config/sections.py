@@ -47,8 +47,15 @@ class ModelConfig:
     n_head: int = opt(4, "attention heads per block (ignored when preset is set)")
     n_embd: int = opt(256, "model width; must be divisible by n_head (ignored when preset is set)")
     dropout: float = opt(0.0, "dropout probability in [0, 1)")
-    gelu: str = opt("tanh", "the MLP's GELU: tanh (GPT-2's approximation; Hugging Face gelu_new) or erf (exact, as nanoGPT; Hugging Face gelu; in bf16 on CPUs ~2.7x faster)", ("tanh", "erf"))  # fmt: skip
-    bias: bool = opt(True, "biases in the Linear and LayerNorm layers: true as GPT-2, false as nanoGPT's train.py (a model without them has no Hugging Face export)")  # fmt: skip
+    gelu: str = opt(
+        "tanh",
+        "the MLP's GELU: tanh (GPT-2's approximation; Hugging Face gelu_new) or erf (exact, as nanoGPT; Hugging Face gelu)",
+        ("tanh", "erf"),
+    )
+    bias: bool = opt(
+        True,
+        "biases in the Linear and LayerNorm layers: true as GPT-2, false as nanoGPT's train.py (a model without them has no Hugging Face export)",
+    )
     block_size: int = opt(0, "maximum context length; 0 means train.seq_len")
     init_from: str = opt(
         "",
@@ -61,7 +68,10 @@ class ModelConfig:
             not (self.init_from and self.preset),
             f"model.init_from = {self.init_from!r} and model.preset = {self.preset!r}: the weights' config.json sets the architecture; leave model.preset empty",
         )
-        check(self.bias or not self.init_from, f"model.init_from = {self.init_from!r} loads GPT-2 weights, which have biases, but model.bias = false; drop --model.bias=false")  # fmt: skip
+        check(
+            self.bias or not self.init_from,
+            f"model.init_from = {self.init_from!r} loads GPT-2 weights, which have biases, but model.bias = false; drop --model.bias=false",
+        )
         if not self.preset:
             for key in ("n_layer", "n_head", "n_embd"):
                 check(getattr(self, key) >= 1, f"model.{key} = {getattr(self, key)} must be >= 1")
@@ -90,7 +100,7 @@ class DataConfig:
 class TrainConfig:
     micro_batch_size: int | str = opt(
         16,
-        "sequences per forward pass on each process: a whole number, or auto: the largest number <= micro_batch_cap that divides total_batch_size / (seq_len x world size) and, on a GPU, fits in memory (one trial step per candidate, halving on out-of-memory; every rank uses the smallest)",
+        "sequences per forward pass on each process: a whole number, or auto: the largest number <= micro_batch_cap that divides total_batch_size / (seq_len x world size) and, on a GPU, fits in memory",
     )
     micro_batch_cap: int = opt(64, "micro_batch_size = auto: the largest micro-batch it may pick")
     seq_len: int = opt(256, "tokens per sequence")
@@ -100,7 +110,7 @@ class TrainConfig:
     max_steps: int = opt(200, "optimizer steps to train")
     dtype: str = opt(
         "auto",
-        "compute dtype: auto on a CPU is the faster of float32 and bfloat16, timed on one transformer block of the run's shapes at start-up (cached per machine; bf16 is not timed where a bf16 matmul is measured emulated); on a GPU timed the same way, float32 (TF32 per train.tf32) against bfloat16 where it is native (compute capability >= 8.0), else against float16 with a GradScaler (float32 alone under dist.mode=fsdp)",
+        "compute dtype: float32, bfloat16, float16 (with a GradScaler), or auto: the faster of float32 and the device's fast dtype, timed on one transformer block at start-up (cached per machine)",
         ("auto", "float32", "bfloat16", "float16"),
     )
     compile: bool = opt(False, "torch.compile the model for training, evaluation and sampling")
@@ -111,7 +121,7 @@ class TrainConfig:
     )
     attention: str = opt(
         "auto",
-        "attention kernel: sdpa (scaled_dot_product_attention: flash on GPUs and CPUs), matmul (explicit matmuls, float32 scores and softmax, 128 queries at a time, their probabilities kept for backward), or auto: the faster of the two, timed on one transformer block of the run's shapes at start-up (cached per machine; matmul only where its kept probabilities stay under 1 GiB)",
+        "attention kernel: sdpa (scaled_dot_product_attention), matmul (explicit matmuls, float32 softmax, 128 queries at a time), or auto: the faster of the two, timed at start-up (cached per machine)",
         ("auto", "sdpa", "matmul"),
     )
     tf32: bool = opt(
@@ -120,7 +130,7 @@ class TrainConfig:
     )
     deterministic: bool = opt(
         False,
-        "kernels that give the same bits on every run (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): on a GPU, where atomics add in a varying order, a resumed run then equals an uninterrupted one bit for bit (slower); CPU kernels already do",
+        "GPU kernels that give the same bits on every run (torch.use_deterministic_algorithms; slower): a resumed run then equals an uninterrupted one bit for bit; CPU kernels already do",
     )
     seed: int = opt(1337, "seed for initialisation, data order and dropout")
     device: str = opt(
@@ -129,13 +139,13 @@ class TrainConfig:
     # unattended runs (gptrain/training/guards.py)
     nonfinite: str = opt(
         "skip",
-        "a step whose gradient norm is NaN/inf: skip (discard the update, count it), stop (exit, saving nothing new) or rollback (reload the newest checkpoint, data cursor past the bad batch); under float16, stop and rollback wait for train.max_skips consecutive overflows (the GradScaler skips isolated ones by design)",
+        "a step whose gradient norm is NaN/inf: skip (discard the update, count it), stop (exit, saving nothing new) or rollback (reload the newest checkpoint, data cursor past the bad batch)",
         ("skip", "stop", "rollback"),
     )
     max_skips: int = opt(10, "this many consecutive skipped steps stop the run")
     spike: str = opt(
         "off",
-        "finite loss spikes: a step whose global loss or gradient norm is more than train.spike_z standard deviations above the mean of the last train.spike_window steps (decided on logging and saving steps, once the window is full): off, log (a line in train.log), stop (exit 1, nothing saved after it) or rollback (reload the newest checkpoint, data cursor past the spike's batch)",
+        "a loss or gradient norm over spike_z standard deviations above the mean of the last spike_window steps: off, log (a line in train.log), stop (exit 1) or rollback (reload the newest checkpoint)",
         ("off", "log", "stop", "rollback"),
     )
     spike_z: float = opt(6.0, "train.spike: the z-score above which a step is a loss spike")
@@ -161,7 +171,7 @@ class TrainConfig:
 class OptimConfig:
     name: str = opt(
         "adamw",
-        "adamw: AdamW for every parameter; muon: Muon (torch.optim.Muon's update, orthogonalising in optim.muon_dtype) for the 2-D matrices inside the blocks and AdamW for embeddings, the output head and 1-D parameters",
+        "adamw: AdamW for every parameter; muon: Muon (torch.optim.Muon's update) for the 2-D matrices inside the blocks, AdamW for embeddings, the output head and 1-D parameters",
         ("adamw", "muon"),
     )
     lr: float = opt(1e-3, "peak AdamW learning rate (reached after warmup)")
@@ -175,7 +185,10 @@ class OptimConfig:
     decay_fraction: float = opt(
         0.2, "wsd only: fraction of train.max_steps spent in the final linear decay, in (0, 1]"
     )
-    weight_decay: float = opt(0.1, "AdamW weight decay, applied to >=2-D parameters only")
+    weight_decay: float = opt(
+        0.1,
+        "AdamW's decoupled weight decay of its >= 2-D parameters, times the scheduled AdamW lr: each step p *= 1 - lr x weight_decay; 0: none (Muon's matrices: optim.muon_weight_decay)",
+    )
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.95, "AdamW beta2")
     eps: float = opt(1e-8, "AdamW epsilon")
@@ -185,11 +198,15 @@ class OptimConfig:
     muon_lr: float = opt(
         0.02, "muon only: peak learning rate of the Muon matrices (the schedule scales it like lr)"
     )
+    muon_weight_decay: float = opt(
+        0.1,
+        "muon only: decoupled weight decay of the Muon matrices, times the scheduled Muon lr (not its shape factor): each step p *= 1 - lr x muon_weight_decay, as torch.optim.Muon; 0: none",
+    )
     muon_momentum: float = opt(0.95, "muon only: Nesterov momentum of the Muon matrices")
     muon_ns_steps: int = opt(5, "muon only: Newton-Schulz iterations of the orthogonalisation")
     muon_dtype: str = opt(
         "auto",
-        "muon only: dtype of the orthogonalisation: bfloat16 (as torch.optim.Muon; only where the device computes bf16 natively), float32, or auto: the faster of the two, timed on the run's matrices at start-up (cached per machine)",
+        "muon only: dtype of the orthogonalisation: bfloat16 (as torch.optim.Muon; native bf16 only), float32, or auto: the faster of the two, timed at start-up (cached per machine)",
         ("auto", "bfloat16", "float32"),
     )
 
@@ -204,7 +221,9 @@ class OptimConfig:
             0 < self.decay_fraction <= 1,
             f"optim.decay_fraction = {self.decay_fraction} must be in (0, 1], e.g. 0.2 (the last 20% of the steps)",
         )
-        check(self.weight_decay >= 0, f"optim.weight_decay = {self.weight_decay} must be >= 0")
+        for key in ("weight_decay", "muon_weight_decay"):
+            value = getattr(self, key)
+            check(value >= 0, f"optim.{key} = {value} must be >= 0 (0: no weight decay)")
         for key in ("beta1", "beta2", "muon_momentum"):
             value = getattr(self, key)
             check(0 <= value < 1, f"optim.{key} = {value} must be in [0, 1)")
@@ -249,12 +268,12 @@ class CheckpointConfig:
     )
     resume: str = opt(
         "auto",
-        "auto: continue from run.dir's newest valid checkpoint when there is one (damaged newer ones are skipped with a warning); latest: require one; none: start fresh (refused when run.dir has checkpoints); or a step number",
+        "auto: continue from run.dir's newest valid checkpoint if any; latest: require one; none: start fresh (refused when run.dir has checkpoints); or a step number",
     )
     keep_last: int = opt(3, "keep the newest N checkpoints (older ones are deleted after a save)")
     mirror: str = opt(
         "",
-        "off-node copies: an fsspec URL (file:///mnt/shared/run, s3://bucket/run, gs://bucket/run) that each published checkpoint is uploaded to in the background and read back (sha256 against meta.json) before the remote `latest` moves; resume = auto also looks there (the local run.dir may be gone) and falls back across damaged copies; remote retention follows keep_last / keep_every and keeps the last verified copy; unreachable or without credentials: one line before training. Empty: off",
+        "off-node copies: an fsspec URL (file:///mnt/shared/run, s3://bucket/run, gs://bucket/run) each checkpoint is uploaded to and verified in the background; resume = auto also looks there; empty: off",
     )
     io_threads: int = opt(
         0,
@@ -265,12 +284,15 @@ class CheckpointConfig:
     )
     async_: bool = opt(  # the key is checkpoint.async (a Python keyword: see key_name)
         False,
-        "FSDP2 runs (dist.mode = fsdp, 2+ processes) only: write the sharded checkpoint in the background (DCP async_save of a copy staged in host memory) while training goes on; it is published (renamed into place, named in `latest`) at the next save, before a rollback and at the end or a preemption stop. Refused for runs that write full checkpoints (1 process, DDP)",
+        "FSDP2 runs (dist.mode = fsdp, 2+ processes) only: write the sharded checkpoint in the background (DCP async_save of a copy in host memory) while training goes on",
     )
 
     def check(self) -> None:
         check(self.every >= 0, "checkpoint.every must be >= 0")
-        check(self.io_threads >= 0, f"checkpoint.io_threads = {self.io_threads} must be >= 0 (0: auto)")  # fmt: skip
+        check(
+            self.io_threads >= 0,
+            f"checkpoint.io_threads = {self.io_threads} must be >= 0 (0: auto)",
+        )
         check(
             self.every_minutes >= 0,
             f"checkpoint.every_minutes = {self.every_minutes} must be >= 0 (0: off)",
@@ -312,7 +334,15 @@ class LogConfig:
 
 
 # the rendezvous settings torch's c10d handler reads as whole numbers (dist.rdzv_conf)
-RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "read_timeout", "keep_alive_interval", "keep_alive_max_attempt")  # fmt: skip
+RDZV_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "read_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+)
 
 
 @dataclass(frozen=True)
@@ -323,12 +353,12 @@ class DistConfig:
         ("ddp", "fsdp"),
     )
     nproc_per_node: str = opt(
-        "1",
-        "processes to launch on this machine through torch.distributed.run: N or auto (one per GPU, 1 on CPU); ignored under torchrun",
+        "auto",
+        "processes to launch on this machine through torch.distributed.run: N, or auto: one per GPU, 1 without CUDA; ignored under torchrun",
     )
     nnodes: int | str = opt(
         1,
-        "machines in the job when gptrain launches the workers itself (run the same command on each): N, or MIN:MAX for an elastic job (torch's elastic agent: when a node is lost the others re-form and resume from the last checkpoint with the same global batch; a node that joins makes the others save and re-form); ignored under torchrun",
+        "machines in the job when gptrain launches the workers (the same command on each): N, or MIN:MAX for an elastic job that re-forms when a node is lost or joins; ignored under torchrun",
         type_text="int or MIN:MAX",
     )
     rdzv_endpoint: str = opt(
@@ -338,7 +368,7 @@ class DistConfig:
     rdzv_id: str = opt("gptrain", "rendezvous id: the same on every node of one job")
     rdzv_conf: str = opt(
         "",
-        "when nnodes > 1: torch's rendezvous settings (torchrun --rdzv_conf), KEY=N,...: join_timeout, last_call_timeout, close_timeout, heartbeat_timeout, read_timeout (seconds), keep_alive_interval (seconds), keep_alive_max_attempt; e.g. last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3 re-formed the tested elastic job in < 30 s after a lost node, against 44 s with torch's defaults (empty)",
+        "nnodes > 1: torchrun's --rdzv_conf, KEY=N,... with KEY one of join_timeout, last_call_timeout, close_timeout, heartbeat_timeout, read_timeout, keep_alive_interval (seconds), keep_alive_max_attempt",
     )
     backend: str = opt(
         "auto",
@@ -348,7 +378,7 @@ class DistConfig:
     timeout_s: int = opt(300, "seconds before a stuck collective ends the run with an error")
     hang_timeout_s: int | str = opt(
         "auto",
-        "hang watchdog, a thread per rank: a step, save or eval that makes no progress for this long ends the run with exit code 3 ('hung: safe to restart'), every thread's stack in train.log and, on CUDA, an NCCL flight recorder dump; auto: 10x the slowest of that phase seen so far, never below 60 s (start-up, the first step, which compiles, and a phase not yet seen: 1 h); a number of seconds: that budget for every step, save and eval (start-up and the first step: at least 1 h); 0: off",
+        "hang watchdog: a step, save or eval without progress for this many seconds ends the run with exit code 3 (safe to restart); auto: 10x the slowest of that phase so far, at least 60 s; 0: off",
     )
     bucket_cap_mb: int = opt(25, "DDP gradient bucket size in MB")
     gradient_as_bucket_view: bool = opt(
@@ -378,7 +408,7 @@ class DistConfig:
         )
         n = self.nproc_per_node
         check(
-            n == "auto" or (n.isdigit() and int(n) >= 1),
+            n == "auto" or (n.isdecimal() and int(n) >= 1),
             f"dist.nproc_per_node = {n!r}; allowed: a whole number >= 1 or auto",
         )
         for item in filter(None, self.rdzv_conf.split(",")):  # torch ignores keys it does not know
@@ -396,7 +426,7 @@ class RunConfig:
     )
     max_failed_attempts: int = opt(
         3,
-        "crash-loop stop: when the last N starts of this run.dir each ended without a new checkpoint (preemptions, Ctrl-C and bad input never count), the next start exits at once with code 4 ('do not requeue') and one line; 0: never, and the count starts again after such a start. The history: run.dir/attempts.jsonl",
+        "crash-loop stop: when the last N starts of this run.dir each ended without a new checkpoint, the next start exits at once with code 4 ('do not requeue'); 0: never",
     )
 
     def check(self) -> None:

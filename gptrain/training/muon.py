@@ -59,8 +59,9 @@ def lr_scale(shape: torch.Size) -> float:
 
 class Muon(torch.optim.Optimizer):
     """Muon over 2-D parameters: per matrix, momentum (nesterov by default), its orthogonalisation
-    in `dtype`, decoupled weight decay (p *= 1 - lr * weight_decay), then
-    p -= lr * lr_scale(p.shape) * update. Groups and state as torch.optim.Muon's (module docstring)."""
+    in `dtype`, decoupled weight decay p *= 1 - lr * weight_decay (the group's lr, without
+    lr_scale), then p -= lr * lr_scale(p.shape) * update. Groups and state as torch.optim.Muon's
+    (module docstring)."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, dtype: torch.dtype = torch.bfloat16):  # fmt: skip
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=NS_COEFFICIENTS, eps=EPS, ns_steps=ns_steps, adjust_lr_fn="original")  # fmt: skip

@@ -2,10 +2,12 @@
 schedules (warmup + cosine; warmup, stable, linear decay).
 
 Weight decay applies to matrices (embeddings and Linear weights, dim >= 2) and not to biases or
-LayerNorm parameters. AdamW works unchanged with FSDP2 (DTensor parameters report their global
-shape); Muon (ours, gptrain/training/muon.py: torch.optim.Muon's update with the orthogonalisation
-in a dtype chosen for the device) is refused under FSDP2 by config validation: it would
-orthogonalise each rank's shard of a matrix instead of the whole matrix.
+LayerNorm parameters: optim.weight_decay to AdamW's matrices, optim.muon_weight_decay to Muon's
+(both decoupled, multiplied by their own optimizer's scheduled lr). AdamW works unchanged with
+FSDP2 (DTensor parameters report their global shape); Muon (ours, gptrain/training/muon.py:
+torch.optim.Muon's update with the orthogonalisation in a dtype chosen for the device) is refused
+under FSDP2 by config validation: it would orthogonalise each rank's shard of a matrix instead of
+the whole matrix.
 """
 
 from __future__ import annotations
@@ -58,7 +60,15 @@ class MuonAdamW(torch.optim.Optimizer):
     orthogonalisation (bf16: torch.optim.Muon's, bit for bit); the groups and state are
     torch.optim.Muon's, so checkpoints of earlier versions (which used it) resume."""
 
-    def __init__(self, muon_params, adamw_groups, *, muon: dict, adamw: dict, muon_dtype: torch.dtype = torch.bfloat16):  # fmt: skip
+    def __init__(
+        self,
+        muon_params,
+        adamw_groups,
+        *,
+        muon: dict,
+        adamw: dict,
+        muon_dtype: torch.dtype = torch.bfloat16,
+    ):
         self.muon = Muon(muon_params, **muon, dtype=muon_dtype)
         self.adamw = torch.optim.AdamW(adamw_groups, **adamw)
         super().__init__(self.muon.param_groups + self.adamw.param_groups, defaults={})
@@ -82,18 +92,29 @@ class MuonAdamW(torch.optim.Optimizer):
         self._link()
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str, muon_dtype: torch.dtype | None = None) -> torch.optim.Optimizer:  # fmt: skip
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device_type: str, muon_dtype: torch.dtype | None = None
+) -> torch.optim.Optimizer:
     """cfg.name = adamw: AdamW(betas=(beta1, beta2), eps) over param_groups, with the fused
     kernel on CUDA and CPU (on a CPU 5-10x faster than foreach: one pass over each parameter
     instead of a dozen), else foreach. muon: MuonAdamW (see muon_split for which parameter goes
-    where), orthogonalising in `muon_dtype` (the run's measured choice, gptrain/training/
-    choices.py); None: cfg.muon_dtype when explicit, else bf16 (what torch.optim.Muon does)."""
+    where), decaying the Muon matrices by cfg.muon_weight_decay and AdamW's by cfg.weight_decay,
+    orthogonalising in `muon_dtype` (the run's measured choice, gptrain/training/choices.py);
+    None: cfg.muon_dtype when explicit, else bf16 (what torch.optim.Muon does)."""
     fused = device_type in ("cuda", "cpu")
-    adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused)  # fmt: skip
+    adamw = dict(
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused
+    )
     if cfg.name == "adamw":
         return torch.optim.AdamW(param_groups(model, cfg.weight_decay), **adamw)
     muon_params, groups = muon_split(model, cfg.weight_decay)
-    muon = dict(lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True, ns_steps=cfg.muon_ns_steps)  # fmt: skip
+    muon = dict(
+        lr=cfg.muon_lr,
+        weight_decay=cfg.muon_weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=True,
+        ns_steps=cfg.muon_ns_steps,
+    )
     if muon_dtype is None:
         muon_dtype = torch.float32 if cfg.muon_dtype == "float32" else torch.bfloat16
     return MuonAdamW(muon_params, groups, muon=muon, adamw=adamw, muon_dtype=muon_dtype)
