@@ -50,7 +50,8 @@ def supported(options: list[str]) -> list[str]:
 
 
 def nproc_for(spec: str) -> int:
-    """dist.nproc_per_node → a number: 'auto' is one per GPU, or 1 on CPU; checked against devices."""
+    """dist.nproc_per_node → a number: 'auto' (the default) is every GPU of this machine, or 1
+    without CUDA; a number is checked against the GPUs, or the CPU cores without CUDA."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if spec == "auto":
         return max(gpus, 1)
