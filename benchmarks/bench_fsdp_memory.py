@@ -6,7 +6,7 @@ Each worker builds the model exactly as `gptrain train` does (build_training: me
 sharded init under FSDP2), runs one AdamW step on one 64-token sequence, frees the gradients, and
 reports its resident set size (RSS, /proc/self/statm, after glibc's malloc_trim) above the RSS
 it had after `import torch` and the process-group start-up: what its parameters and optimizer state occupy (plus allocator
-slack), and the peak RSS of the whole process (ru_maxrss). The target (issue 8): FSDP2 per-rank
+slack), and the peak RSS of the whole process (ru_maxrss). The target: FSDP2 per-rank
 <= 0.55 x the single process's parameter + optimizer memory. Prints a Markdown table.
 """
 

@@ -9,9 +9,8 @@ Each configuration runs in a fresh subprocess (random weights, random tokens, Ad
 full optimizer steps (forward, backward, clip, AdamW step), the first of which allocates the
 optimizer state. On the CPU the number is the process's peak resident set size (VmHWM, the kernel's
 high-water mark: everything, Python and torch included); on CUDA `torch.cuda.max_memory_allocated`.
-"plain" reproduces the loss before the chunked one: `logits, _ = model(x)` (a float32 (B, T, V)
-copy, held by the loop through backward as the old `forward(x, y)` return value was), then
-F.cross_entropy.
+"plain" is the reference loss without chunks: `logits, _ = model(x)` (a float32 (B, T, V) copy,
+which the caller keeps alive through backward), then F.cross_entropy.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ def measure(args) -> dict:
     def plain(x, y):
         logits, _ = model(x)  # (B, T, V) float32
         loss = F.cross_entropy(logits.view(-1, vocab), y.reshape(-1), ignore_index=-1)
-        return logits, loss  # the caller's `_` keeps the logits alive, as before
+        return logits, loss  # the caller's `_` keeps the logits alive through backward
 
     step_model = plain if args.loss == "plain" else wrapped
     if args.device == "cuda":

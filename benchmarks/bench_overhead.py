@@ -10,13 +10,13 @@ shapes and reports, per shape:
 
     PYTHONPATH=. python benchmarks/bench_overhead.py                  # both shapes
     PYTHONPATH=. python benchmarks/bench_overhead.py --shape small --steps 50
-    # "before": an older checkout's code and config, the same script
+    # another checkout's code and config (an A/B between two versions), the same script
     PYTHONPATH=/path/to/old python benchmarks/bench_overhead.py --config /path/to/old/configs/bench.toml
 
 small = nanoGPT's CPU recipe (4 layers, 4 heads, width 128, 12 x 64 = 768 tokens/step);
 bench = configs/bench.toml (4 layers, width 256, 16 x 256 tokens/step). Byte-level tiny
-shakespeare, prepared into a temporary folder. Works on older checkouts (no set_lr) so the same
-script measures "before" and "after".
+shakespeare, prepared into a temporary folder. Works on checkouts without set_lr or
+gptrain/training/step.py too, so the same script compares two versions.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def make_step(cfg, model, wrapped, opt, autocast, scaler, loader, accum):
 
     try:
         from gptrain.training.step import train_step
-    except ImportError:  # a checkout from before step.py (the "before" numbers)
+    except ImportError:  # a checkout without gptrain/training/step.py
         from gptrain.commands.train import train_step
 
     set_lr = getattr(goptim, "set_lr", None)
@@ -72,7 +72,7 @@ def make_step(cfg, model, wrapped, opt, autocast, scaler, loader, accum):
         lr = goptim.lr_at(state["step"], cfg.optim, cfg.train.max_steps)
         if set_lr is not None:
             set_lr(opt, lr, cfg.optim)
-        else:  # the loop before set_lr existed
+        else:  # a checkout without set_lr
             for group in opt.param_groups:
                 group["lr"] = lr
         train_step(wrapped, model, opt, scaler, loader.next_batch, accum, autocast, cfg.optim.grad_clip)  # fmt: skip

@@ -6,7 +6,7 @@
 
 For each corpus size (MB of UTF-8 text; documents are slices of tiny shakespeare, log-normal
 lengths with a median of --median-chars characters (default 2,400; 650 makes ~1.05M documents
-per GB, the issue's >= 1M), in Parquet files of 125 MB with row groups of 1,000
+per GB, the >= 1M-document target), in Parquet files of 125 MB with row groups of 1,000
 documents, as datatrove writes FineWeb's):
 - tokenize-only: tiktoken's encode_ordinary_batch on the same row groups with the same number of
   processes, nothing written (the reference rate);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every CPU benchmark of issue 19 on each CPU tier this machine can run, one after another (never
+# Every CPU benchmark on each CPU tier this machine can run, one after another (never
 # two at once on a 2-core machine). The lower tiers are emulated on a better CPU:
-#   avx2:  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (no AVX512; bf16 emulated, ~25-50x
+#   avx2:  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (no AVX512; bf16 emulated, ~30-70x
 #          slower than float32);
 #   avx512: ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE (AVX512 without its bf16
 #          instructions, as Skylake/Cascade Lake Xeons: oneDNN converts bf16 to float32, a bf16

@@ -1,4 +1,4 @@
-"""The GPU proof run (issue 8): one table that says whether gptrain works on this CUDA node.
+"""The GPU proof run: one table that says whether gptrain works on this CUDA node.
 
     benchmarks/gpu_check.sh              # on a CUDA machine: every GPU of the node
     benchmarks/gpu_check.sh --dry-run    # CPU, tiny models, 2 gloo ranks, no compile row:
@@ -9,7 +9,7 @@ Each row is printed as soon as it is done ("gpu_check: done: ...", with its seco
 table at the end: a run stopped by a time limit still shows the rows it finished.
 
 Rows (each a real `gptrain` command, started the way a user starts it):
-  0. GPT-2 124M as the issue's throughput target means it (GPT-2's 50257-token vocabulary,
+  0. GPT-2 124M as the throughput target means it (GPT-2's 50257-token vocabulary,
      `gptrain bench` on synthetic tokens, bf16, compile on, micro-batch auto, one GPU):
      tokens/s and MFU against the target of 400k tokens/s on an H100
   1. GPT-2 124M (12 x 768; byte-level vocabulary, see below) on one GPU, compile off and on:
@@ -17,13 +17,13 @@ Rows (each a real `gptrain` command, started the way a user starts it):
      the speed choices the run made for `train.dtype = auto` and `train.attention = auto` (how:
      measured, rule or cached; training/choices.py)
   2. DDP and FSDP2 on all GPUs of the node: the final loss equals the 1-GPU run's within bf16
-     tolerance (the same global batches, see README "Distributed training")
+     tolerance (the same global batches, see docs/distributed.md)
   3. kill and resume, with `train.deterministic = true`: an FSDP2 run killed (SIGKILL) after its
      first checkpoint and started again ends with the weights of the same run uninterrupted, bit
      for bit. Where it does not, the uninterrupted run is trained once more and the resume must
      be no further from it than that second run is (at most 2x: kernels that add in a varying
-     order, such as atomics, make two identical runs differ; session 20 measured 5.4e-3 on an
-     H100 without the flag)
+     order, such as atomics, make two identical runs differ: 5.4e-3 on an H100
+     without the flag)
   4. GPT-2 XL (48 x 1600) under FSDP2 with activation checkpointing: peak memory per GPU and the
      wall time of one sharded checkpoint save (2 steps, a save each, keep_last 1: ~19 GB of
      weights and AdamW state at most twice on the node's disk) with checkpoint.io_threads's
@@ -184,7 +184,7 @@ class Check:
         """The rows asked for, each printed as soon as it is done (a run cut short by a time limit
         still shows what it finished); the runs a row compares with are trained when missing. A
         row whose command fails is a FAILED row with the command's last line, and the next row
-        runs (one broken row costs a time-limited GPU session nothing else)."""
+        runs (one broken row costs a time-limited GPU job nothing else)."""
         self.clock, self.failed = time.perf_counter(), False
         steps = 4 if self.dry else 30
         every = max(steps // 6, 1)  # row 3's checkpoints (dry: one a step)
