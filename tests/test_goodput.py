@@ -11,7 +11,7 @@ import pytest
 import torch
 from train_helpers import DEBUG, REPO, run, weights
 
-import gptrain.commands.train as train_command
+import gptrain.training.saving as checkpointer_module
 from gptrain.__main__ import main as cli
 from gptrain.training import attempts
 
@@ -43,7 +43,7 @@ def test_goodput_of_given_attempts():
 
 
 class Clock:
-    """time for gptrain/commands/train.py: monotonic() advances 1 s per call, the rest is real."""
+    """time for gptrain/training/saving.py (the checkpointer): monotonic() advances 1 s per call, the rest is real."""
 
     def __init__(self):
         self.t = 0.0
@@ -61,7 +61,7 @@ def test_time_based_checkpoints(byte_data, tmp_path, monkeypatch):
     loop looks once per step and once after each save), and 12 at the end; saving changes nothing."""
     common = ["train.max_steps=12", "checkpoint.every=0", "checkpoint.keep_last=10", *QUICK]
     run(byte_data, tmp_path / "plain", *common)
-    monkeypatch.setattr(train_command, "time", Clock())
+    monkeypatch.setattr(checkpointer_module, "time", Clock())
     run(byte_data, tmp_path / "timed", *common, "checkpoint.every_minutes=0.05")
     names = sorted(p.name for p in (tmp_path / "timed" / "checkpoints").glob("step_*"))
     assert names == [f"step_{s:08d}" for s in (3, 6, 9, 12)]
@@ -105,7 +105,7 @@ def test_goodput_across_a_hung_attempt_and_its_rerun(byte_data, tmp_path):
 # Rank 1's clock moves 1 s per look; rank 0's stands still (it would never call a save due).
 RANK_CLOCKS = """
 import os, sys, time
-import gptrain.commands.train as train_command
+import gptrain.training.saving as checkpointer_module
 from gptrain.__main__ import entry
 
 class Clock:
@@ -117,7 +117,7 @@ class Clock:
     def __getattr__(self, name):
         return getattr(time, name)
 
-train_command.time = Clock(1.0 if os.environ["RANK"] == "1" else 0.0)
+checkpointer_module.time = Clock(1.0 if os.environ["RANK"] == "1" else 0.0)
 entry()  # main(sys.argv[1:]), exiting as gptrain does
 """
 

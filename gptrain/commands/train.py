@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-import time
+from contextlib import contextmanager
 
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.cli import parse_cli
@@ -30,12 +30,12 @@ from gptrain.distributed import failures, faults, launch
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.watchdog import Watchdog, flight_recorder_env
 from gptrain.errors import UserError
-from gptrain.training import attempts, batch, saving
+from gptrain.training import attempts, batch
 from gptrain.training import run as phases
-from gptrain.training.guards import NonFiniteStop, Preemption
+from gptrain.training.evaluator import Due
+from gptrain.training.guards import NonFiniteStop, Preemption, rollback_point
 from gptrain.training.optim import lr_at, set_lr
 from gptrain.training.precision import nondeterministic_op
-from gptrain.training.step import train_step
 
 
 def train(cfg: Config, info: dist.DistInfo) -> dict:
@@ -56,129 +56,108 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         preemption.restore()
 
 
-def _train(
-    cfg: Config, info, watchdog: Watchdog, ledger: attempts.Ledger, preemption: Preemption
-) -> dict:
-    t, c = cfg.train, cfg.checkpoint
-    # checkpoint.mirror: reachable and writable, or one line now (main process; it alone uploads)
-    dist.on_main(info, lambda: checkpoint.configure_mirror(c.mirror, c.keep_last, c.keep_every))
+def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption) -> dict:
+    t = cfg.train
     run = phases.start(cfg, info)  # data, resume, model, loader, logger: every bad input fails here
-    ledger.run, ledger.training, ledger.resumed_step = run, True, run.step
-    if preemption.agreed():  # signalled during start-up: nothing trained, nothing new to save
-        ledger.outcome = "preempted"
-        run.logger.text(
-            f"stopped by {preemption.received or 'a signal to another rank'} during start-up, before step {run.step + 1}; nothing new to save; run the same command to resume"
-        )
-        run.close()
-        return {
-            "steps": run.step,
-            "tokens": run.tokens,
-            "world_size": info.world_size,
-            "stopped_by": preemption.received or "signal",
-        }
-    if run.ckpt is None and cfg.eval.every > 0:  # the untrained baseline: curves start at step 0
-        watchdog.enter("eval", 0)
-        run.logger.log(0, {"tokens": 0, **phases.eval_and_sample(run, 0, True, False)})
-    if run.step >= t.max_steps:  # nothing to do: leave the run's summary and plot as they are
-        run.logger.text(
-            f"already trained to step {run.step} (train.max_steps = {t.max_steps}); raise train.max_steps to continue"
-        )
-        run.close()
-        return {"steps": run.step, "tokens": run.tokens, "world_size": info.world_size}
-
-    # the loop; the watchdog only hears of phase boundaries (a clock read each, no sync)
-    run.t_start = t_log = time.perf_counter()
-    steps_since_log, last = 0, {}  # last: the latest logged metrics and eval results
-    stopped_by, saved_at, every_s = None, time.monotonic(), cfg.checkpoint.every_minutes * 60
-    try:
-        while run.step < t.max_steps:
-            watchdog.enter("step", run.step + 1)
-            lr = lr_at(run.step, cfg.optim, t.max_steps)
+    ledger.started(run.state)
+    if (early := _before_loop(run, cfg, preemption, watchdog, ledger)) is not None:
+        return early
+    state, meter, checkpointer, evaluator = run.state, run.meter, run.checkpointer, run.evaluator
+    state.start_clock()
+    meter.restart(state.step)
+    stopped_by = None
+    with _on_error(run, cfg):
+        while state.step < t.max_steps:
+            # one optimizer step at this step's learning rate
+            watchdog.enter("step", state.step + 1)
+            lr = lr_at(state.step, cfg.optim, t.max_steps)
             set_lr(run.optimizer, lr, cfg.optim)
-            with faults.in_step(run.step + 1, run.model):  # GPTRAIN_FAULT drills; else nothing
-                loss_sum, grad_norm = train_step(
-                    run.wrapped,
-                    run.model,
-                    run.optimizer,
-                    run.scaler,
-                    run.loader.next_batch,
-                    run.accum,
-                    run.autocast,
-                    cfg.optim.grad_clip,
-                    guard=run.nonfinite,
-                    step=run.step + 1,
-                )
-            run.spikes.record(run.step + 1, loss_sum, grad_norm)  # train.spike: no sync here
-            run.step += 1
-            run.tokens += t.total_batch_size
-            steps_since_log += 1
-            step = run.step
-
-            final = step == t.max_steps
-            eval_now = final or (cfg.eval.every > 0 and step % cfg.eval.every == 0)
-            sample_now = final or (cfg.eval.sample_every > 0 and step % cfg.eval.sample_every == 0)
-            log_now = step % cfg.log.every == 0 or final or eval_now or sample_now
-            log_now = log_now or phases.hellaswag_due(run, step)
-            if every_s:  # one tiny CPU all-reduce: did any rank get SIGTERM/USR1, or is a save due?
-                stop, due = preemption.agreed_with(time.monotonic() - saved_at >= every_s)
-            else:
-                stop, due = preemption.agreed(), False
-            save_now = (
-                final or due or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
-            )
-            if log_now or save_now or stop:  # steps that sync anyway: non-finite and spike policies
-                bad_step = run.nonfinite.check(step)  # raises NonFiniteStop (stop, max_skips)
-                spike = run.spikes.check(run.logger)  # raises NonFiniteStop (train.spike = stop)
-                why = "non-finite loss or gradient norm"
-                if spike is not None and (bad_step is None or spike < bad_step):
-                    bad_step, why = spike, "loss spike"
-                if bad_step is not None:  # rollback: past the first bad step's batch
+            with faults.in_step(state.step + 1, run.model):  # GPTRAIN_FAULT drills; else nothing
+                loss, grad_norm = run.train_step(cfg.optim.grad_clip)
+            state.spikes.record(state.step + 1, loss, grad_norm)  # train.spike: no sync here
+            state.advance(t.total_batch_size)
+            meter.tick()
+            step, last_step = state.step, state.step == t.max_steps
+            # at the step boundary each part says whether it is due
+            save, stop = checkpointer.due(step, last_step, preemption)
+            evals = evaluator.due(step, last_step)
+            log = meter.due(step, last_step) or bool(evals)
+            # steps that sync anyway: the non-finite and spike policies; rollback past a bad step
+            if log or save or stop:
+                if bad := rollback_point(state.nonfinite, state.spikes, step, run.logger):
                     watchdog.enter("save", step)  # reading a checkpoint: the save's budget
-                    saving.publish(run)  # a pending save is a checked step's: roll back to it
-                    run.rollbacks += 1
-                    saving.roll_back(run, bad_step, step, why)
-                    steps_since_log, t_log = 0, time.perf_counter()
-                    if run.bar:
-                        run.bar.n = run.step
+                    checkpointer.roll_back(*bad, windows_per_step=t.total_batch_size // t.seq_len)
+                    meter.restart(state.step)
                     continue
-            if log_now:
-                metrics = phases.step_metrics(run, loss_sum, grad_norm, lr, steps_since_log, t_log)
-                if t.spike != "off":
-                    metrics.update(spikes=run.spikes.count, rollbacks=run.rollbacks)
-            if save_now or stop:  # before eval: an eval that fails cannot cost the checkpoint
+            metrics = meter.measure(state, loss, grad_norm, lr) if log else None
+            # the checkpoint before evaluation: an evaluation that fails cannot cost it
+            if save:
                 watchdog.enter("save", step)
-                saved_path = saving.save(run, wait=final or stop)  # complete before exiting
-                saved_at = time.monotonic()
+                saved = checkpointer.save(wait=last_step or stop)  # complete before a stop
                 ledger.progress()  # the attempt's time accounting so far (goodput), main only
-            if log_now:
+            # once in a while: evaluate, then log the step
+            if log:
                 watchdog.enter("eval", step)
-                metrics.update(phases.eval_and_sample(run, step, eval_now, sample_now))
-                last.update(metrics)
-                run.logger.log(step, metrics)
-                phases.report(run, metrics)
-                steps_since_log = 0
-            if run.bar:
-                run.bar.update(1)
-            if stop and not final:  # (a signal at the last step: the run simply finishes)
+                meter.report(step, {**metrics, **run.evaluate(step, evals)})
+            if stop and not last_step:  # (a signal at the last step: the run simply finishes)
                 stopped_by = preemption.received or "a signal to another rank"
                 run.logger.text(
-                    f"stopped by {stopped_by} at step {step}: checkpoint {saved_path} is complete; run the same command to resume"
+                    f"stopped by {stopped_by} at step {step}: checkpoint {saved} is complete; run the same command to resume"
                 )
                 break
-            if steps_since_log == 0:  # throughput intervals exclude eval, sampling and checkpoints
-                t_log = time.perf_counter()
+    return _after_loop(run, cfg, watchdog, ledger, stopped_by)
+
+
+def _before_loop(run, cfg: Config, preemption: Preemption, watchdog: Watchdog, ledger) -> dict:
+    """A summary when there is nothing to train (a stop agreed during start-up, or the run is
+    already at train.max_steps); else the untrained baseline's evaluation of a fresh run."""
+    state = run.state
+    if preemption.agreed():  # signalled during start-up: nothing trained, nothing new to save
+        run.logger.text(
+            f"stopped by {preemption.received or 'a signal to another rank'} during start-up, before step {state.step + 1}; nothing new to save; run the same command to resume"
+        )
+        run.close()
+        ledger.outcome = "preempted"
+        return {**_counts(run), "stopped_by": preemption.received or "signal"}
+    if run.resumed_from is None and cfg.eval.every > 0:  # curves start at step 0
+        watchdog.enter("eval", 0)
+        run.logger.log(0, {"tokens": 0, **run.evaluate(0, Due(val=True))})
+    if state.step >= cfg.train.max_steps:  # nothing to do: the summary and plot stay as they are
+        run.logger.text(
+            f"already trained to step {state.step} (train.max_steps = {cfg.train.max_steps}); raise train.max_steps to continue"
+        )
+        run.close()
+        return _counts(run)
+    return None
+
+
+def _counts(run) -> dict:
+    return {"steps": run.state.step, "tokens": run.state.tokens, "world_size": run.info.world_size}
+
+
+@contextmanager
+def _on_error(run, cfg: Config):
+    """A stop inside the loop: Ctrl-C, or the non-finite / spike policy's NonFiniteStop (every
+    rank; a pending background save is published first)."""
+    try:
+        yield
     except (KeyboardInterrupt, NonFiniteStop) as e:
         run.loader.close()
-        if isinstance(e, NonFiniteStop):  # every rank stops here: a pending save is published
-            saving.publish(run)
+        if isinstance(e, NonFiniteStop):
+            run.checkpointer.publish()
             run.logger.text(f"stopped: {e}", echo=False)  # main() prints it once
-        elif info.is_main:  # only the main process reads the run directory
+        elif run.info.is_main:  # only the main process reads the run directory
             run.logger.text(
-                f"interrupted at step {run.step}; the last checkpoint is {checkpoint.latest(cfg.run.dir)}; run the same command to resume"
+                f"interrupted at step {run.state.step}; the last checkpoint is {checkpoint.latest(cfg.run.dir)}; run the same command to resume"
             )
         run.close()
         raise
-    watchdog.enter("upload")  # the last checkpoint reaches checkpoint.mirror before the end
+
+
+def _after_loop(run, cfg: Config, watchdog: Watchdog, ledger, stopped_by: str | None) -> dict:
+    """The last checkpoint reaches checkpoint.mirror; then a stopped run ends as it is, a
+    finished one writes its summary and plot."""
+    watchdog.enter("upload")
     for failed in checkpoint.wait_mirror():
         run.logger.text(f"warning: mirror upload of {failed}")
     watchdog.stop()
@@ -186,15 +165,10 @@ def _train(
     if stopped_by:  # the run is not finished: no final summary or plot
         ledger.outcome = "preempted"
         run.close()
-        return {
-            "steps": run.step,
-            "tokens": run.tokens,
-            "world_size": info.world_size,
-            "stopped_by": stopped_by,
-        }
-    if run.bar:
-        run.bar.close()
-    summary = phases.finish(run, last)
+        return {**_counts(run), "stopped_by": stopped_by}
+    if run.meter.bar:
+        run.meter.bar.close()
+    summary = phases.finish(run, cfg)
     ledger.add_goodput(summary, run.logger)  # across every attempt in attempts.jsonl
     run.logger.close()
     return summary

@@ -143,3 +143,22 @@ def grad_sync(wrapped: nn.Module, sync: bool):
     if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDPModule
         wrapped.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A value computed on sharded parameters (a DTensor, e.g. FSDP2's gradient norm) as the
+    whole tensor on every rank; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_numel(model: nn.Module) -> int:
+    """Parameters this rank holds: its shards under FSDP2, every parameter otherwise."""
+    return sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters()
+    )
+
+
+def syncs_per_block(wrapped: nn.Module) -> bool:
+    """Does forward/backward gather and reduce per block (FSDP2), so that a step without sync
+    still communicates?"""
+    return hasattr(wrapped, "set_requires_gradient_sync")

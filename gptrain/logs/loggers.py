@@ -115,7 +115,8 @@ class RunLogger(NullLogger):
     """Main process: metrics.jsonl + train.log in the run directory, optional TensorBoard / W&B.
 
     `echo` is called with every text line (the progress bar's `write`, or print). `resume_step`
-    is the checkpoint's step when the run resumes (None for a fresh run).
+    is the checkpoint's step when the run resumes (None for a fresh run); `wandb_run_id` the W&B
+    run the checkpoint belongs to (else run.dir's record of it). `.wandb_run_id`: the W&B run.
     """
 
     def __init__(
@@ -126,6 +127,7 @@ class RunLogger(NullLogger):
         wandb_project: str = "",
         config: dict | None = None,
         resume_step: int | None = None,
+        wandb_run_id: str | None = None,
         echo=print,
     ):
         require_packages(tensorboard, wandb_project)
@@ -137,8 +139,10 @@ class RunLogger(NullLogger):
         self.echo = echo
         self.tb = self.wandb = None
         self.wandb_step = -1  # the last step W&B holds (its steps must increase)
+        self.wandb_run_id = None
         if wandb_project:
-            self.wandb = self._start_wandb(wandb_project, config, resume_step)
+            self.wandb = self._start_wandb(wandb_project, config, resume_step, wandb_run_id)
+            self.wandb_run_id = self.wandb.id
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -148,13 +152,15 @@ class RunLogger(NullLogger):
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.textlog = open(self.dir / "train.log", "a", buffering=1)
 
-    def _start_wandb(self, project: str, config: dict | None, resume_step: int | None):
+    def _start_wandb(self, project: str, config: dict | None, resume_step: int | None, run_id):
         import wandb
 
         # a resumed run continues its W&B run; a fresh one (even in an old run.dir) starts anew
         id_file = self.dir / WANDB_ID_FILE
-        resuming = resume_step is not None and id_file.is_file()
-        run_id = id_file.read_text().strip() if resuming else None
+        if resume_step is None:
+            run_id = None
+        elif run_id is None and id_file.is_file():  # a checkpoint that does not name its run
+            run_id = id_file.read_text().strip()
         try:
             run = wandb.init(
                 project=project,
@@ -168,11 +174,11 @@ class RunLogger(NullLogger):
             raise UserError(
                 f"log.wandb = {project!r}: W&B did not start ({first}); run `wandb login`, or set WANDB_MODE=offline to log locally"
             ) from None
-        if run_id is None:
+        if run_id is None or not id_file.is_file():
             tmp = id_file.with_name(f".{WANDB_ID_FILE}.tmp")
             tmp.write_text(run.id + "\n")
             os.replace(tmp, id_file)
-        else:
+        if run_id is not None:
             self.wandb_step = max(int(getattr(run, "step", 0) or 0) - 1, resume_step)
         return run
 

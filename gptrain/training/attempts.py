@@ -122,6 +122,11 @@ class Ledger:
         self._undo = None
         self._ended = False
 
+    def started(self, state) -> None:
+        """Start-up succeeded: training begins at `state.step` (a bad input after this is a
+        failed attempt, no longer undone)."""
+        self.run, self.training, self.resumed_step = state, True, state.step
+
     def __enter__(self) -> Ledger:
         host = socket.gethostname()
         hosts = [host] * self.info.world_size

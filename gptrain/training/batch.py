@@ -111,7 +111,7 @@ def trial_fits(
     gradients stay in .grad, cleared below). FSDP2: with it, as on a last micro-step: without
     sync FSDP2 would keep the unsharded gradient in its own buffers, out of zero_grad's reach,
     and add it to the first real step's."""
-    fsdp = hasattr(wrapped, "set_requires_gradient_sync")
+    fsdp = parallelize.syncs_per_block(wrapped)
     oom, rows = False, model.loss_chunk_rows
     if compiled and not fsdp:  # FSDP compiles block by block: its loss runs eager
         model.loss_chunk_rows = chunk_rows(
@@ -119,10 +119,7 @@ def trial_fits(
         )
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            numel = sum(
-                p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                for p in model.parameters()
-            )
+            numel = parallelize.local_numel(model)
             reserve = torch.empty(2 * numel, dtype=torch.float32, device=device)  # AdamW m and v
             gen = torch.Generator(device=device).manual_seed(0)
             x = torch.randint(0, vocab_size, (mb, seq_len + 1), device=device, generator=gen)

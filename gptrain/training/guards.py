@@ -28,6 +28,7 @@ from collections import deque
 
 import torch
 
+from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 
 
@@ -110,8 +111,7 @@ class NonFinite:
 
     def step(self, optimizer, scaler, grad_norm: torch.Tensor, step: int) -> None:
         """The optimizer step, unless grad_norm (global: identical on every rank) is NaN/inf."""
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = parallelize.full_value(grad_norm)
         bad = ~torch.isfinite(grad_norm)
         if self.device_side:
             self.scaler.unscale_(optimizer)  # x 1.0; records whether any gradient is NaN/inf
@@ -188,7 +188,7 @@ class Spikes:
             return None
         steps = [s for s, _, _ in self._pending]
         losses = dist.all_reduce_mean(torch.stack([loss.float() for _, loss, _ in self._pending]))
-        norms = [g.full_tensor() if hasattr(g, "full_tensor") else g for _, _, g in self._pending]
+        norms = [parallelize.full_value(g) for _, _, g in self._pending]
         values = torch.stack([losses, torch.stack(norms).float().to(losses.device)]).tolist()
         self._pending.clear()
         first = None
@@ -240,3 +240,14 @@ def _z(x: float, history: deque) -> float:
     mean = sum(history) / len(history)
     std = math.sqrt(sum((h - mean) ** 2 for h in history) / len(history))
     return (x - mean) / std if std > 0 else (math.inf if x > mean else 0.0)
+
+
+def rollback_point(nonfinite: NonFinite, spikes: Spikes, step: int, logger) -> tuple | None:
+    """Collective, at a sync point: the non-finite and spike policies together. Returns (the
+    earliest bad step to roll back past, why) under rollback, None to go on; raises
+    NonFiniteStop under stop."""
+    bad = nonfinite.check(step)
+    spike = spikes.check(logger)
+    if spike is not None and (bad is None or spike < bad):
+        return spike, "loss spike"
+    return None if bad is None else (bad, "non-finite loss or gradient norm")

@@ -1,15 +1,11 @@
-"""The phases around `train()`'s loop (its checkpoint phases: training/saving.py), in the order a run meets them (gptrain/commands/train.py calls them):
+"""What `gptrain train` builds before its loop and does after it (the loop itself is
+gptrain/commands/train.py):
 
-    start            data, resume point, model + optimizer, micro-batch, loader, logger, first line
-    eval_and_sample  validation loss and bits/byte, HellaSwag, a text sample (every rank takes part)
-    save / publish   a checkpoint (DCP shards under FSDP2, else full); with checkpoint.async the
-                     previous save is published (renamed, `latest`, retention) before the next
-    step_metrics     a logging step's numbers (the only host syncs of the loop)
-    report           the progress bar and train.log line of a logging step
-    finish           summary.json, the plot, the scorecard, the last line
+    start    inputs checked, data, resume point, model + optimizer, micro-batch, loader, the parts
+             that decide at each step boundary (checkpointer, evaluator, meter), restore, logger
+    finish   summary.json, the plot, the scorecard, the last line
 
-`Run` holds what `start` builds and the counters a checkpoint saves, so each phase is a function of
-it, not a closure inside the loop.
+`Run` holds the built parts; the counters a checkpoint saves live in its TrainState.
 """
 
 from __future__ import annotations
@@ -18,9 +14,8 @@ import json
 import math
 import os
 import sys
-import time
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +28,7 @@ from gptrain.data.prepare import resolve_data_dir
 from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
-from gptrain.evals.hellaswag import HellaSwag, task_for
+from gptrain.evals.hellaswag import task_for
 from gptrain.evals.val import ValLoss
 from gptrain.logs.loggers import (
     NullLogger,
@@ -43,92 +38,114 @@ from gptrain.logs.loggers import (
     scorecard_hparams,
     scorecard_metrics,
 )
-from gptrain.logs.mfu import (
-    checked_mfu,
-    format_duration,
-    format_flops,
-    synchronize,
-)
+from gptrain.logs.mfu import format_duration, format_flops
 from gptrain.training import batch
 from gptrain.training.build import build_training
 from gptrain.training.choices import Choices
+from gptrain.training.evaluator import EVAL_KEYS, Evaluator
 from gptrain.training.guards import NonFinite, Spikes
+from gptrain.training.meter import Meter
+from gptrain.training.saving import Checkpointer
+from gptrain.training.state import TrainState
+from gptrain.training.step import train_step
 from gptrain.training.timing import cached_peak
-
-EVAL_KEYS = ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm")
 
 
 @dataclass
 class Run:
-    """One training job as `start` leaves it; step, tokens, rollbacks and best move as it trains."""
+    """One training job's built parts, as `start` leaves them."""
 
-    cfg: Config
     info: dist.DistInfo
     dataset: Dataset
     model: torch.nn.Module  # the plain model: its keys are the checkpoint's
     wrapped: torch.nn.Module  # what forward runs through (compile, DDP or FSDP2 around the model)
     optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler  # active only for float16
     autocast: AbstractContextManager
     ptdtype: torch.dtype
-    mb: int
-    accum: int
+    plan: tuple[int, int]  # (micro-batch size, accumulation steps)
     loader: TrainLoader
-    val: ValLoss  # evals/task.py's shape, like hellaswag
-    nonfinite: NonFinite
-    spikes: Spikes  # train.spike: the loss-spike detector (guards.py)
-    hellaswag: HellaSwag | None
+    state: TrainState  # step, tokens, clock, guards, GradScaler: one checkpoint part
+    checkpointer: Checkpointer
+    evaluator: Evaluator
+    meter: Meter
     logger: NullLogger  # a RunLogger on the main process
-    bar: tqdm | None  # the progress bar (main process, log.progress)
-    meta: dict  # what every checkpoint's meta.json records besides the counters
-    ckpt: Path | None  # the checkpoint resumed from
-    peak: float = 1.0  # measured peak FLOP/s of this device (main process)
-    peak_cached: bool = False  # the peak came from the speed-choice cache
-    choices: Choices | None = None  # the measured speed choices (training/choices.py)
-    flops_per_token: float = 0.0
-    step: int = 0
-    tokens: int = 0
-    elapsed_before: float = 0.0  # training time of the attempts before this one
-    rollbacks: int = 0
-    best: dict = field(default_factory=dict)
-    t_start: float = 0.0  # when this attempt's loop started
-    pending: checkpoint.Pending | None = None  # a checkpoint.async save not yet published
+    choices: Choices  # the measured speed choices (training/choices.py)
+    resumed_from: Path | None  # the checkpoint this attempt resumed from
+
+    def train_step(self, grad_clip: float):
+        """One optimizer step of the run's batch; (loss sum, grad norm) as device tensors."""
+        s = self.state
+        return train_step(
+            self.wrapped,
+            self.model,
+            self.optimizer,
+            s.scaler,
+            self.loader.next_batch,
+            self.plan[1],
+            self.autocast,
+            grad_clip,
+            guard=s.nonfinite,
+            step=s.step + 1,
+        )
+
+    def evaluate(self, step: int, due) -> dict:
+        return self.evaluator.run(step, due, self.wrapped, self.info, self.autocast, self.logger)
 
     def close(self) -> None:
-        if self.bar:
-            self.bar.close()
+        if self.meter.bar:
+            self.meter.bar.close()
         self.logger.close()
 
 
 def start(cfg: Config, info: dist.DistInfo) -> Run:
     """Everything before the first step; every input error surfaces here, before any training."""
-    t, run_dir = cfg.train, cfg.run.dir
     dist.check_same_config(to_toml(cfg), info)
     require_packages(cfg.log.tensorboard, cfg.log.wandb)
-    mb, accum = batch.plan(t, info.world_size)  # a batch that cannot divide fails here
-    dist.check_options(cfg.dist, accum, info)
-    checkpoint.check_async(cfg.checkpoint.async_, cfg.dist, info)  # full checkpoints: refused
-
+    batch.plan(cfg.train, info.world_size)  # a batch that cannot divide fails here
+    c = cfg.checkpoint
+    checkpoint.check_async(c.async_, cfg.dist, info)  # full checkpoints: refused
+    # checkpoint.mirror: reachable and writable, or one line now (main process; it alone uploads)
+    dist.on_main(info, lambda: checkpoint.configure_mirror(c.mirror, c.keep_last, c.keep_every))
     # data: a prepared folder, or a built-in corpus prepared once per machine
     data_dir = dist.local_main_first(
         info, lambda: resolve_data_dir(cfg.data.dir, cfg.data.tokenizer)
     )
     dataset = Dataset(data_dir)
-    tokenizer = dataset.tokenizer
-
     # resume: from the latest checkpoint of this run directory when there is one
-    ckpt, skipped_ckpts = dist.from_main(
-        info, lambda: checkpoint.resume_point(run_dir, cfg.checkpoint.resume)
+    ckpt, warnings = dist.from_main(
+        info, lambda: checkpoint.resume_point(cfg.run.dir, cfg.checkpoint.resume)
     )
-    saved = {}  # only the main process reads the run directory (it alone writes it)
+    saved = dist.from_main(info, lambda: checkpoint.load_meta(ckpt)) if ckpt else {}
+    _check_tokenizer(dataset, data_dir, ckpt, saved)
+    run = _build(cfg, info, dataset, ckpt, saved)
     if ckpt is not None:
-        saved = dist.from_main(info, lambda: checkpoint.load_meta(ckpt))
-        saved_tok = saved.get("tokenizer", {})
-        if saved_tok.get("hash") != tokenizer.identity().get("hash"):
-            raise UserError(
-                f"data in {data_dir} uses tokenizer {tokenizer.identity().get('name')!r} but checkpoint {ckpt} was trained with {saved_tok.get('name')!r}; use the same data.dir/data.tokenizer or a new run.dir"
-            )
+        ts = checkpoint.restore(ckpt, saved, run.model, run.optimizer, run.loader, info)
+        run.state.load_state_dict(ts)
+        if ts.get("world_size") != info.world_size:
+            torch.manual_seed(cfg.train.seed + 1000 * info.rank + run.state.step)
+    else:
+        torch.manual_seed(cfg.train.seed + 1000 * info.rank)  # dropout streams differ by rank
+    run.evaluator.best.update(
+        {k: saved[k] for k in ("best_val_loss", "best_val_step") if k in saved}
+    )
+    if info.is_main:
+        run.meter.peak, cached, peak_warnings = cached_peak(info.device, run.ptdtype)
+        warnings += peak_warnings
+    _start_logging(run, cfg, warnings, cached if info.is_main else False)
+    return run
 
+
+def _check_tokenizer(dataset: Dataset, data_dir, ckpt, saved: dict) -> None:
+    saved_tok, tok = saved.get("tokenizer", {}), dataset.tokenizer.identity()
+    if ckpt is not None and saved_tok.get("hash") != tok.get("hash"):
+        raise UserError(
+            f"data in {data_dir} uses tokenizer {tok.get('name')!r} but checkpoint {ckpt} was trained with {saved_tok.get('name')!r}; use the same data.dir/data.tokenizer or a new run.dir"
+        )
+
+
+def _build(cfg: Config, info, dataset: Dataset, ckpt, saved: dict) -> Run:
+    """The model, optimizer and loader, and the parts that act at the step boundary."""
+    t = cfg.train
     built = build_training(
         cfg,
         info,
@@ -153,71 +170,58 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
         device=info.device,
     )
     fsdp = parallelize.shards(cfg.dist, info)
-    run = Run(
-        cfg=cfg,
-        info=info,
-        dataset=dataset,
-        model=model,
-        wrapped=wrapped,
-        optimizer=optimizer,
-        scaler=scaler,
-        autocast=autocast,
-        ptdtype=ptdtype,
-        mb=mb,
-        accum=accum,
-        loader=loader,
-        val=ValLoss(
-            dataset,
-            seq_len=t.seq_len,
-            micro_batch_size=mb,
-            eval_tokens=cfg.eval.tokens,
-            byte_lengths=torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device),
-        ),
-        nonfinite=NonFinite(t.nonfinite, t.max_skips, optimizer, scaler, info.device, fsdp),
-        spikes=Spikes(t.spike, t.spike_z, t.spike_window),
-        hellaswag=task_for(
-            cfg.eval.hellaswag,
-            cfg.eval.hellaswag_limit,
-            tokenizer,
-            model.config.block_size,
-            mb * t.seq_len,
-            info,
-        ),
-        logger=None,
-        bar=None,
-        meta={
-            "model": asdict(model.config),
-            "tokenizer": tokenizer.identity(),
-            "data_dir": str(data_dir),
-            "micro_batch_size": mb,
-            "config": to_toml(cfg),
-            "speed_choices": built.choices.decisions(),  # a resume computes the same way
-        },
-        ckpt=ckpt,
-        choices=built.choices,
-        flops_per_token=model.flops_per_token(t.seq_len),
-        best={k: saved[k] for k in ("best_val_loss", "best_val_step") if k in saved},
+    nonfinite = NonFinite(t.nonfinite, t.max_skips, optimizer, scaler, info.device, fsdp)
+    state = TrainState(nonfinite, Spikes(t.spike, t.spike_z, t.spike_window), scaler)
+    tokenizer = dataset.tokenizer
+    meta = {  # what every checkpoint's meta.json records besides the counters
+        "model": asdict(model.config),
+        "tokenizer": tokenizer.identity(),
+        "data_dir": str(dataset.data_dir),
+        "micro_batch_size": mb,
+        "config": to_toml(cfg),
+        "speed_choices": built.choices.decisions(),  # a resume computes the same way
+    }
+    e = cfg.eval
+    byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
+    val = ValLoss(
+        dataset,
+        seq_len=t.seq_len,
+        micro_batch_size=mb,
+        eval_tokens=e.tokens,
+        byte_lengths=byte_lengths,
     )
-    if ckpt is not None:
-        ts = checkpoint.restore(ckpt, saved, model, optimizer, loader, info)
-        run.step, run.tokens = ts["step"], ts["tokens"]
-        run.elapsed_before, run.rollbacks = ts.get("elapsed_s", 0.0), ts.get("rollbacks", 0)
-        run.nonfinite.set_count(ts.get("skipped", 0))
-        run.spikes.load_state_dict(ts.get("spikes"))
-        if ts.get("world_size") != info.world_size:
-            torch.manual_seed(t.seed + 1000 * info.rank + run.step)
-    else:
-        torch.manual_seed(t.seed + 1000 * info.rank)  # dropout streams differ by rank
-    peak_warnings: list[str] = []
-    if info.is_main:
-        run.peak, run.peak_cached, peak_warnings = cached_peak(info.device, ptdtype)
-    _start_logging(run, skipped_ckpts + peak_warnings)
-    return run
+    hellaswag = task_for(
+        e.hellaswag, e.hellaswag_limit, tokenizer, model.config.block_size, mb * t.seq_len, info
+    )
+    evaluator = Evaluator(e, val, hellaswag, tokenizer, t.seed)
+    checkpointer = Checkpointer(
+        cfg.checkpoint, cfg.run.dir, info, (model, optimizer, loader), state, meta
+    )
+    checkpointer.best = evaluator.best  # each checkpoint records the best validation so far
+    meter = Meter(cfg.log.every, t, model.flops_per_token(t.seq_len), info)
+    return Run(
+        info,
+        dataset,
+        model,
+        wrapped,
+        optimizer,
+        autocast,
+        ptdtype,
+        (mb, accum),
+        loader,
+        state,
+        checkpointer,
+        evaluator,
+        meter,
+        NullLogger(),
+        built.choices,
+        ckpt,
+    )
 
 
-def _start_logging(run: Run, warnings: list[str]) -> None:
+def _start_logging(run: Run, cfg: Config, warnings: list[str], peak_cached: bool) -> None:
     """The logger (main process only), config.toml, the progress bar and the first line."""
-    cfg, info, t = run.cfg, run.info, run.cfg.train
+    info, t, state = run.info, cfg.train, run.state
     run.logger = (
         dist.on_main(  # a logger that cannot start (e.g. W&B not logged in) stops every rank
             info,
@@ -226,164 +230,82 @@ def _start_logging(run: Run, warnings: list[str]) -> None:
                 tensorboard=cfg.log.tensorboard,
                 wandb_project=cfg.log.wandb,
                 config={s: asdict(getattr(cfg, s)) for s in ("model", "train", "optim", "data")},
-                resume_step=run.step if run.ckpt else None,
+                resume_step=state.step if run.resumed_from else None,
+                wandb_run_id=state.wandb_run_id,
             ),
             default=NullLogger(),
         )
     )
+    state.wandb_run_id = getattr(run.logger, "wandb_run_id", None) or state.wandb_run_id
+    run.checkpointer.logger = run.meter.logger = run.logger
     if info.is_main:
-        if (
-            run.ckpt
-        ):  # a checkpoint is written before its step's eval: that eval is in metrics.jsonl
-            run.best = best_val(cfg.run.dir, run.best)
-        (open(os.path.join(cfg.run.dir, "config.toml"), "w")).write(to_toml(cfg))
+        if run.resumed_from:  # a checkpoint is written before its step's eval: it is in metrics
+            run.evaluator.best.update(best_val(cfg.run.dir, run.evaluator.best))
+        with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
         if cfg.log.progress:
-            run.bar = tqdm(
+            bar = tqdm(
                 total=t.max_steps,
-                initial=run.step,
+                initial=state.step,
                 desc="train",
                 unit="step",
                 dynamic_ncols=True,
                 file=sys.stderr,
             )
-            run.logger.echo = run.bar.write
+            run.meter.bar, run.logger.echo = bar, bar.write
+    mb, accum = run.plan
+    how = "resumed from " + str(run.resumed_from) if run.resumed_from else "starting"
     run.logger.text(
-        f"{'resumed from ' + str(run.ckpt) if run.ckpt else 'starting'}: {run.model.num_params():,} parameters, world size {info.world_size}, "
-        f"micro-batch {run.mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {run.accum}, {t.total_batch_size:,} tokens/step, dtype {str(run.ptdtype).removeprefix('torch.')}{' (deterministic kernels)' * t.deterministic}, "
-        f"device {info.device}, measured peak {format_flops(run.peak)}{' (cached)' * run.peak_cached}; {run.choices.line()}"
+        f"{how}: {run.model.num_params():,} parameters, world size {info.world_size}, "
+        f"micro-batch {mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {accum}, {t.total_batch_size:,} tokens/step, dtype {str(run.ptdtype).removeprefix('torch.')}{' (deterministic kernels)' * t.deterministic}, "
+        f"device {info.device}, measured peak {format_flops(run.meter.peak)}{' (cached)' * peak_cached}; {run.choices.line()}"
     )
     # the speed-choice cache's (choices and peak), and damaged newer checkpoints resume skipped
     for warning in run.choices.warnings + warnings:
         run.logger.text(f"warning: {warning}")
 
 
-def hellaswag_due(run: Run, step: int) -> bool:
-    every = run.cfg.eval.hellaswag_every
-    last = step == run.cfg.train.max_steps
-    return run.hellaswag is not None and (last or (every > 0 and step % every == 0))
-
-
-def eval_and_sample(run: Run, step: int, eval_now: bool, sample_now: bool) -> dict:
-    """Validation (and best-so-far), HellaSwag when due, a text sample; returns their metrics."""
-    from gptrain.evals.generate import generate_text
-
-    cfg, logger, out = run.cfg, run.logger, {}
-    if eval_now:
-        val = run.val.run(run.wrapped, run.info, run.autocast)
-        out.update(val.metrics)
-        logger.text(f"step {step}: {val.line}")
-        if out["val_loss"] < run.best.get("best_val_loss", math.inf):
-            run.best.update(best_val_loss=out["val_loss"], best_val_step=step)
-    if hellaswag_due(run, step):
-        scored = run.hellaswag.run(run.wrapped, run.info, run.autocast)
-        out.update(scored.metrics)
-        logger.text(f"step {step}: {scored.line}")
-    if sample_now:  # every rank generates (FSDP needs all ranks in each forward); main prints
-        with run.autocast:
-            text = generate_text(
-                run.wrapped,
-                run.dataset.tokenizer,
-                cfg.eval.sample_prompt,
-                max_new_tokens=cfg.eval.sample_tokens,
-                temperature=0.8,
-                top_k=200,
-                num_samples=1,
-                seed=cfg.train.seed,
-                device=run.info.device,
-            )[0]
-        logger.text(f"step {step}: sample: {cfg.eval.sample_prompt}{text}")
-    return out
-
-
-def step_metrics(run: Run, loss_sum, grad_norm, lr: float, steps: int, since: float) -> dict:
-    """A logging step's metrics over the `steps` steps since `since` (the loop's host syncs)."""
-    t = run.cfg.train
-    loss = dist.all_reduce_mean(loss_sum).item()  # mean over micro-steps and ranks
-    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
-        grad_norm = grad_norm.full_tensor()
-    synchronize(run.info.device)
-    tok_per_s = steps * t.total_batch_size / (time.perf_counter() - since)
-    # MFU <= 1: an achieved rate above the measured peak raises the peak, with a warning
-    mfu_now, run.peak, warning = checked_mfu(
-        tok_per_s, run.flops_per_token, run.peak, run.info.world_size
-    )
-    if warning:
-        run.logger.text(f"warning: step {run.step}: {warning}")
-    metrics = {
-        "loss": loss,
-        "lr": lr,
-        "grad_norm": grad_norm.item(),
-        "tokens": run.tokens,
-        "tok_per_s": tok_per_s,
-        "mfu": mfu_now,
-        "skipped": run.nonfinite.count(),
-    }
-    if t.nonfinite == "rollback":
-        metrics["rollbacks"] = run.rollbacks
-    return metrics
-
-
-def report(run: Run, metrics: dict) -> None:
-    """The progress bar's numbers and the step's line (train.log; the console without a bar)."""
-    m = metrics
-    if run.bar:
-        run.bar.set_postfix(
-            loss=f"{m['loss']:.3f}",
-            lr=f"{m['lr']:.2e}",
-            tok_s=f"{m['tok_per_s']:,.0f}",
-            mfu=f"{m['mfu']:.1%}",
-        )
-    run.logger.text(
-        f"step {run.step}/{run.cfg.train.max_steps} loss {m['loss']:.4f} lr {m['lr']:.2e} "
-        f"tok/s {m['tok_per_s']:,.0f} mfu {m['mfu']:.1%}",
-        echo=run.bar is None,
-    )
-
-
-def finish(run: Run, last: dict) -> dict:
-    """summary.json, the loss plot, the scorecard and the last line; returns the summary.
-    `last`: the last logging step's metrics (train loss, speed) and latest eval results."""
+def finish(run: Run, cfg: Config) -> dict:
+    """summary.json, the loss plot, the scorecard and the last line; returns the summary."""
     from gptrain.logs.plot import plot_run
 
-    total = run.elapsed_before + time.perf_counter() - run.t_start
-    loss, tok_per_s, mfu_now = (
+    state, last = run.state, run.meter.last
+    total = state.elapsed()
+    loss, tok_per_s, mfu = (
         last.get("loss", math.nan),
         last.get("tok_per_s", 0.0),
         last.get("mfu", 0.0),
     )
     val = {k: v for k, v in last.items() if k in EVAL_KEYS}
     summary = {
-        "steps": run.step,
-        "tokens": run.tokens,
+        "steps": state.step,
+        "tokens": state.tokens,
         "train_loss": loss,
         **val,
-        **run.best,
+        **run.evaluator.best,
         "elapsed_s": total,
         "tok_per_s": tok_per_s,
-        "mfu": mfu_now,
+        "mfu": mfu,
         "world_size": run.info.world_size,
-        "micro_batch_size": run.mb,
+        "micro_batch_size": run.plan[0],
         "speed_choices": run.choices.as_dict(),  # each choice, how it was made, its timings
     }
     if run.info.is_main:
-        run_dir = run.cfg.run.dir
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        plot_path = plot_run(run_dir)
+        plot_path = plot_run(cfg.run.dir)
         train_tokens = sum(len(s) for s in run.dataset.shards["train"])
-        run.logger.scorecard(
-            scorecard_hparams(
-                run.cfg.train, run.cfg.optim, run.model.config, run.tokens, train_tokens
-            ),
-            scorecard_metrics(summary),
+        hparams = scorecard_hparams(
+            cfg.train, cfg.optim, run.model.config, state.tokens, train_tokens
         )
+        run.logger.scorecard(hparams, scorecard_metrics(summary))
         vals = (
             f", val loss {val['val_loss']:.4f}, val bpb {val['val_bpb']:.4f}"
             if "val_loss" in val
             else ""
         )
         run.logger.text(
-            f"done: {run.step} steps, {run.tokens:,} tokens in {format_duration(total)}; train loss {loss:.4f}"
-            f"{vals}; {tok_per_s:,.0f} tok/s, MFU {mfu_now:.1%}; plot {plot_path}"
+            f"done: {state.step} steps, {state.tokens:,} tokens in {format_duration(total)}; train loss {loss:.4f}"
+            f"{vals}; {tok_per_s:,.0f} tok/s, MFU {mfu:.1%}; plot {plot_path}"
         )
     return summary

@@ -1,7 +1,8 @@
-"""The training loop's checkpoint phases, as functions of one Run (training/run.py): save (and
-with checkpoint.async, publish at the next save), publish (rename into place, `latest`, retention),
-and roll back (train.nonfinite or train.spike = rollback: reload the newest valid checkpoint and
-move the data cursor past the bad batch). Every checkpoint goes through checkpoint.manager.
+"""The checkpointer: it says when a save is due (every N steps, every M minutes, the last step, an
+agreed preemption stop), saves (with checkpoint.async, published at the next save), publishes
+(rename into place, `latest`, retention) and rolls back (train.nonfinite or train.spike =
+rollback: reload the newest valid checkpoint and move the data cursor past the bad batch).
+Every checkpoint goes through checkpoint.manager.
 """
 
 from __future__ import annotations
@@ -9,72 +10,87 @@ from __future__ import annotations
 import time
 
 from gptrain.checkpoint import manager as checkpoint
+from gptrain.config.sections import CheckpointConfig
 from gptrain.distributed import runtime as dist
-from gptrain.training.guards import NonFiniteStop
-from gptrain.training.run import Run
+from gptrain.training.guards import NonFiniteStop, Preemption
+from gptrain.training.state import TrainState
 
 
-def publish(run: Run):
-    """Collective: complete the pending save (rename, `latest`), then retention; its path."""
-    done, run.pending = run.pending, None
-    if done is None:
-        return None
-    path = done.wait()
-    c = run.cfg.checkpoint
-    dist.on_main(
-        run.info, lambda: checkpoint.prune(run.cfg.run.dir, done.step, c.keep_last, c.keep_every)
-    )
-    run.logger.text(f"step {done.step}: checkpoint {path}")
-    return path
+class Checkpointer:
+    """Saves and restores the run's stateful parts: model, optimizer, loader and train state."""
 
+    def __init__(self, c: CheckpointConfig, run_dir, info, parts: tuple, state: TrainState, meta):
+        self.c, self.run_dir, self.info = c, run_dir, info
+        self.model, self.optimizer, self.loader = parts
+        self.state, self.meta = state, meta  # meta: what every meta.json records beside counters
+        self.background = c.async_  # checked once at start (checkpoint.manager.check_async)
+        self.logger = None  # the run's logger, set once it exists
+        self.best: dict = {}  # best_val_loss / best_val_step so far, recorded in meta.json
+        self.pending: checkpoint.Pending | None = None  # a background save not yet published
+        self._saved_at = time.monotonic()
 
-def save(run: Run, wait: bool):
-    """Checkpoint run.step; with checkpoint.async and not `wait`, it completes at the next save."""
-    publish(run)  # at most one save pending: the previous one first
-    state = {
-        "step": run.step,
-        "tokens": run.tokens,
-        "elapsed_s": run.elapsed_before + time.perf_counter() - run.t_start,
-        "skipped": run.nonfinite.count(),
-        "rollbacks": run.rollbacks,
-        "spikes": run.spikes.state_dict(),
-    }
-    run.pending = checkpoint.save(  # DCP shards under FSDP2, else a full checkpoint
-        run.cfg.run.dir,
-        run.step,
-        run.model,
-        run.optimizer,
-        run.loader,
-        state,
-        {**run.meta, "tokens": run.tokens, **run.best},
-        run.info,
-        background=run.cfg.checkpoint.async_,
-        io_threads=run.cfg.checkpoint.io_threads,
-    )
-    return publish(run) if wait or not run.cfg.checkpoint.async_ else None
+    def due(self, step: int, last_step: bool, preemption: Preemption) -> tuple[bool, bool]:
+        """Collective: (save now, stop now). A stop is agreed by every rank (one tiny all-reduce
+        that also agrees on checkpoint.every_minutes by any rank's clock); a stop saves too."""
+        every_s = self.c.every_minutes * 60
+        if every_s:
+            stop, timed = preemption.agreed_with(time.monotonic() - self._saved_at >= every_s)
+        else:
+            stop, timed = preemption.agreed(), False
+        every = self.c.every > 0 and step % self.c.every == 0
+        return last_step or timed or every or stop, stop
 
-
-def roll_back(
-    run: Run, bad_step: int, step: int, why: str = "non-finite loss or gradient norm"
-) -> None:
-    """train.nonfinite or train.spike = rollback (collective): reload the newest valid checkpoint and move the data
-    cursor past the batch of `bad_step` (the steps since the checkpoint are trained again on the
-    data that follows it); run.step and run.tokens become the checkpoint's."""
-    per_step = run.cfg.train.total_batch_size // run.cfg.train.seq_len  # windows per step
-    past_bad = run.loader.windows_consumed - (step - bad_step) * per_step
-    ckpt, _ = dist.from_main(run.info, lambda: checkpoint.resume_point(run.cfg.run.dir, "auto"))
-    if ckpt is None:
-        raise NonFiniteStop(
-            f"step {bad_step}: {why} and the policy is rollback, but there is no checkpoint to roll back to yet; "
-            "lower optim.lr or save earlier (checkpoint.every)"
+    def save(self, wait: bool):
+        """Collective: checkpoint the current step; with checkpoint.async and not `wait`, it is
+        published at the next save. Returns the published path (main process) or None."""
+        self.publish()  # at most one save pending: the previous one first
+        s = self.state
+        self.pending = checkpoint.save(
+            self.run_dir,
+            s.step,
+            self.model,
+            self.optimizer,
+            self.loader,
+            s.state_dict(),
+            {**self.meta, "tokens": s.tokens, **self.best},
+            self.info,
+            background=self.background,
+            io_threads=self.c.io_threads,
         )
-    meta = dist.from_main(run.info, lambda: checkpoint.load_meta(ckpt))
-    ts = checkpoint.restore(ckpt, meta, run.model, run.optimizer, run.loader, run.info)
-    run.nonfinite.set_count(ts.get("skipped", 0))
-    run.spikes.rewind(ts.get("spikes"))
-    run.loader.skip_windows(past_bad - run.loader.windows_consumed)
-    run.logger.rewind(ts["step"])  # the steps after the checkpoint are logged again
-    run.logger.text(
-        f"step {bad_step}: {why}; rolled back to {ckpt.name}, data cursor moved past step {bad_step}'s batch"
-    )
-    run.step, run.tokens = ts["step"], ts["tokens"]
+        self._saved_at = time.monotonic()
+        return self.publish() if wait or not self.background else None
+
+    def publish(self):
+        """Collective: complete the pending save (rename, `latest`), then retention; its path."""
+        done, self.pending = self.pending, None
+        if done is None:
+            return None
+        path = done.wait()
+        c, run_dir = self.c, self.run_dir
+        dist.on_main(
+            self.info, lambda: checkpoint.prune(run_dir, done.step, c.keep_last, c.keep_every)
+        )
+        self.logger.text(f"step {done.step}: checkpoint {path}")
+        return path
+
+    def roll_back(self, bad_step: int, why: str, windows_per_step: int) -> None:
+        """Collective: reload the newest valid checkpoint and move the data cursor past the batch
+        of `bad_step` (the steps since the checkpoint are trained again on the data after it)."""
+        self.publish()  # a pending save is a checked step's: roll back to it
+        s, loader = self.state, self.loader
+        past_bad = loader.windows_consumed - (s.step - bad_step) * windows_per_step
+        ckpt, _ = dist.from_main(self.info, lambda: checkpoint.resume_point(self.run_dir, "auto"))
+        if ckpt is None:
+            raise NonFiniteStop(
+                f"step {bad_step}: {why} and the policy is rollback, but there is no checkpoint to roll back to yet; "
+                "lower optim.lr or save earlier (checkpoint.every)"
+            )
+        meta = dist.from_main(self.info, lambda: checkpoint.load_meta(ckpt))
+        saved = checkpoint.restore(ckpt, meta, self.model, self.optimizer, loader, self.info)
+        s.load_state_dict(saved, rollback=True)
+        s.rollbacks += 1
+        loader.skip_windows(past_bad - loader.windows_consumed)
+        self.logger.rewind(s.step)  # the steps after the checkpoint are logged again
+        self.logger.text(
+            f"step {bad_step}: {why}; rolled back to {ckpt.name}, data cursor moved past step {bad_step}'s batch"
+        )

@@ -1,0 +1,71 @@
+"""The train state: every counter a resume needs, one stateful part of the checkpoint.
+
+    state = TrainState(nonfinite, spikes, scaler)
+    state.load_state_dict(saved)        # resume: step, tokens, clock, guards, GradScaler, W&B id
+    ...; state.advance(tokens)          # after each optimizer step
+    checkpoint["train_state"] = state.state_dict()
+
+Its keys are the checkpoint's `train_state` entries; a checkpoint that lacks one of them (written
+before it existed) resumes with that part's fresh value, which is what the run it came from had.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gptrain.training.guards import NonFinite, Spikes
+
+
+class TrainState:
+    """Step, tokens, training time, skipped and rolled-back steps, the spike detector's window,
+    the float16 GradScaler and the experiment tracker's run id, saved and restored as one."""
+
+    def __init__(self, nonfinite: NonFinite, spikes: Spikes, scaler: torch.amp.GradScaler):
+        self.nonfinite, self.spikes, self.scaler = nonfinite, spikes, scaler
+        self.step = 0
+        self.tokens = 0
+        self.rollbacks = 0
+        self.wandb_run_id: str | None = None
+        self._elapsed_before = 0.0  # training time of the attempts before this one
+        self._started: float | None = None  # when this attempt's loop started
+
+    def start_clock(self) -> None:
+        self._started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Training seconds of every attempt so far (start-up excluded)."""
+        now = time.perf_counter() - self._started if self._started is not None else 0.0
+        return self._elapsed_before + now
+
+    def advance(self, tokens: int) -> None:
+        self.step += 1
+        self.tokens += tokens
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "elapsed_s": self.elapsed(),
+            "skipped": self.nonfinite.count(),
+            "rollbacks": self.rollbacks,
+            "spikes": self.spikes.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "wandb_run_id": self.wandb_run_id,
+        }
+
+    def load_state_dict(self, saved: dict, rollback: bool = False) -> None:
+        """A resume restores every counter. A rollback (`rollback=True`) keeps the clock, the
+        rollback count and the spikes seen since, which happened and stay counted."""
+        self.step, self.tokens = saved["step"], saved["tokens"]
+        self.nonfinite.set_count(saved.get("skipped", 0))
+        if saved.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(saved["scaler"])
+        if rollback:
+            self.spikes.rewind(saved.get("spikes"))
+            return
+        self.spikes.load_state_dict(saved.get("spikes"))
+        self._elapsed_before = saved.get("elapsed_s", 0.0)
+        self.rollbacks = saved.get("rollbacks", 0)
+        self.wandb_run_id = saved.get("wandb_run_id")
