@@ -19,8 +19,6 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from gptrain.errors import UserError
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,10 +40,6 @@ def resolve_dtype(
     """train.dtype (auto | float32 | bfloat16 | float16) -> the compute dtype on this device.
     auto: on CUDA auto_cuda_dtype; elsewhere `measured` (choices.py's decision), float32 for a
     caller that measured nothing (never slow: where bf16 is emulated it is ~20x slower)."""
-    if name == "float16" and device_type != "cuda":
-        raise UserError(
-            "train.dtype = 'float16' needs a CUDA device; use auto, bfloat16 or float32"
-        )
     if name != "auto":
         return DTYPES[name]
     if measured:

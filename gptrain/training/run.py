@@ -260,6 +260,8 @@ def _start_logging(run: Run, cfg: Config, warnings: list[str], peak_cached: bool
         f"micro-batch {mb}{' (auto)' if t.micro_batch_size == 'auto' else ''}, accumulation {accum}, {t.total_batch_size:,} tokens/step, dtype {str(run.ptdtype).removeprefix('torch.')}{' (deterministic kernels)' * t.deterministic}, "
         f"device {info.device}, measured peak {format_flops(run.meter.peak)}{' (cached)' * peak_cached}; {run.choices.line()}"
     )
+    if run.ptdtype == torch.float16 and info.device_type != "cuda":
+        warnings.append("train.dtype = float16 on a CPU is emulated and slow; it serves to test the float16 path (loss scaling)")  # noqa: E501
     # the speed-choice cache's (choices and peak), and damaged newer checkpoints resume skipped
     for warning in run.choices.warnings + warnings:
         run.logger.text(f"warning: {warning}")
