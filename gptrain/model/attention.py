@@ -27,7 +27,7 @@ def matmul_attention(
     softmax backward dS = P * (dP - rowsum(P * dP)) is float32 throughout. Against float64, on a
     trained model's real activations, the output error is within 1.25x of SDPA's CPU flash
     kernel's and the q and k gradients are 2-5x closer (SDPA's rowsum uses its rounded output);
-    with every product in bf16 they are 2-4x further off (README, issue 11; tests/test_attention.py).
+    with every product in bf16 they are 2-4x further off (tests/test_attention.py).
     In float32 everything is float32."""
     return _CausalAttention.apply(q, k, v, dropout_p, block)
 
