@@ -80,6 +80,7 @@ def publish(root: Path, name: str, tmp: Path) -> Path:
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
+    fsync_dir(tmp)  # the folder's entries are on disk before it becomes visible
     os.replace(tmp, final)
     fsync_write(root / ".latest.tmp", (name + "\n").encode())
     os.replace(root / ".latest.tmp", root / "latest")

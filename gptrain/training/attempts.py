@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from gptrain.cache import atomic_write_bytes
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.sections import RunConfig
 from gptrain.distributed import runtime as dist
@@ -254,8 +255,7 @@ class Ledger:
         rows = read(self.run_dir)
         rows[-1]["end"] = {"time": time.time(), **self.accounting()}  # this attempt, live
         g = summary["goodput"] = goodput(rows)
-        with open(self.run_dir / "summary.json", "w") as f:
-            json.dump(summary, f, indent=2)
+        atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
         lost = ", ".join(f"{k.removesuffix('_s')} {g[k]:.0f} s" for k in (*PARTS, "other_s"))
         logger.text(
             f"goodput {g['goodput']:.1%} of {g['wall_s']:.0f} s over {g['attempts']} attempt(s) ({lost})"

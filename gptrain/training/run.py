@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from gptrain.cache import atomic_write_bytes
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.load import Config, to_toml
 from gptrain.data.loader import Dataset, TrainLoader
@@ -241,8 +241,8 @@ def _start_logging(run: Run, cfg: Config, warnings: list[str], peak_cached: bool
     if info.is_main:
         if run.resumed_from:  # a checkpoint is written before its step's eval: it is in metrics
             run.evaluator.best.update(best_val(cfg.run.dir, run.evaluator.best))
-        with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
+        # written whole or not at all: users resume with --config RUN/config.toml
+        atomic_write_bytes(Path(cfg.run.dir) / "config.toml", to_toml(cfg).encode())
         if cfg.log.progress:
             bar = tqdm(
                 total=t.max_steps,
@@ -261,7 +261,9 @@ def _start_logging(run: Run, cfg: Config, warnings: list[str], peak_cached: bool
         f"device {info.device}, measured peak {format_flops(run.meter.peak)}{' (cached)' * peak_cached}; {run.choices.line()}"
     )
     if run.ptdtype == torch.float16 and info.device_type != "cuda":
-        warnings.append("train.dtype = float16 on a CPU is emulated and slow; it serves to test the float16 path (loss scaling)")  # noqa: E501
+        warnings.append(
+            "train.dtype = float16 on a CPU is emulated and slow; it serves to test the float16 path (loss scaling)"
+        )  # noqa: E501
     # the speed-choice cache's (choices and peak), and damaged newer checkpoints resume skipped
     for warning in run.choices.warnings + warnings:
         run.logger.text(f"warning: {warning}")
@@ -293,8 +295,8 @@ def finish(run: Run, cfg: Config) -> dict:
         "speed_choices": run.choices.as_dict(),  # each choice, how it was made, its timings
     }
     if run.info.is_main:
-        with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        text = json.dumps(summary, indent=2)
+        atomic_write_bytes(Path(cfg.run.dir) / "summary.json", text.encode())
         plot_path = plot_run(cfg.run.dir)
         train_tokens = sum(len(s) for s in run.dataset.shards["train"])
         hparams = scorecard_hparams(
