@@ -87,11 +87,13 @@ def validation(
 
 
 def hellaswag(model, tokenizer, source: str, limit: int, batch_tokens: int, info) -> HellaSwag:
+    """The hellaswag task on the first `limit` examples of `source` (0: all of them)."""
     examples = dist.local_main_first(info, lambda: load_examples(source, limit))
     return HellaSwag(examples, tokenizer, model.config.block_size, batch_tokens)
 
 
 def format_table(name: str, step, results: dict) -> str:
+    """The printed table: the model (and step), then one row per result."""
     rows = [("model", name + (f" (step {step})" if step is not None else ""))]
     for key, value in results.items():
         rows.append((key, f"{value:.4f}" if isinstance(value, float) else str(value)))
@@ -99,9 +101,8 @@ def format_table(name: str, step, results: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def main(argv: list[str]) -> int:
-    from gptrain.training.precision import mixed_precision, resolve_dtype
-
+def arg_parser() -> ArgParser:
+    """`gptrain eval`'s options."""
     p = ArgParser(prog="gptrain eval", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", help="run directory (its latest checkpoint, or --step)")
@@ -121,7 +122,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default="", help="JSON file to write")
-    a = p.parse_args(argv)
+    return p
+
+
+def checked_tasks(a) -> list[str]:
+    """The task names of --tasks, after checking the options that need no model."""
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
@@ -133,6 +138,65 @@ def main(argv: list[str]) -> int:
         raise UserError("--hellaswag-limit must be >= 0 (0 = all examples)")
     if a.step is not None and not a.run:
         raise UserError("--step goes with --run")
+    return tasks
+
+
+def build_tasks(a, tasks: list[str], model, tokenizer, run_data, info) -> list:
+    """The chosen tasks, built in --tasks' fixed order (val, then hellaswag)."""
+    chosen = []  # every task has evals/task.py's shape
+    if "val" in tasks:
+        data = a.data or run_data
+        if not data:
+            raise UserError("--tasks val needs --data DIR (a folder made by gptrain prepare)")
+        seq_len = model.config.block_size
+        chosen.append(
+            validation(
+                model,
+                tokenizer,
+                data,
+                a.val_tokens,
+                seq_len,
+                max(1, a.batch_tokens // seq_len),
+                info,
+            )
+        )
+    if "hellaswag" in tasks:
+        chosen.append(
+            hellaswag(model, tokenizer, a.hellaswag, a.hellaswag_limit, a.batch_tokens, info)
+        )
+    return chosen
+
+
+def run_tasks(chosen: list, model, info, autocast) -> tuple[dict, dict]:
+    """(results, details): every task's metrics and numeric details (the table), and its other
+    details (lists: the JSON only)."""
+    results, details = {}, {}
+    for task in chosen:
+        outcome = task.run(model, info, autocast)
+        results |= outcome.metrics
+        for key, value in outcome.details.items():  # numbers go in the table, lists in the JSON
+            (results if isinstance(value, int | float) else details)[key] = value
+    return results, details
+
+
+def write_record(a, name: str, step, record: dict, results: dict) -> None:
+    """Write the JSON record atomically (--out, else the default path) and print the table."""
+    out = Path(a.out) if a.out else None
+    if out is None:
+        out = Path(a.run) / "eval" / f"step_{step:08d}.json" if a.run else Path(f"eval-{name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out)
+    print(format_table(name, step, results))
+    print(f"wrote {out}")
+
+
+def main(argv: list[str]) -> int:
+    from gptrain.training.precision import mixed_precision, resolve_dtype
+
+    a = arg_parser().parse_args(argv)
+    tasks = checked_tasks(a)
     info = dist.DistInfo.from_env(a.device)
     dist.init(info)
     finished = False
@@ -140,41 +204,9 @@ def main(argv: list[str]) -> int:
         model, tokenizer, name, step, run_data = load_subject(a, info.device)
         ptdtype = resolve_dtype(a.dtype, info.device_type)
         autocast, _ = mixed_precision(ptdtype, info.device_type)
-        chosen = []  # every task has evals/task.py's shape
-        if "val" in tasks:
-            data = a.data or run_data
-            if not data:
-                raise UserError("--tasks val needs --data DIR (a folder made by gptrain prepare)")
-            seq_len = model.config.block_size
-            chosen.append(
-                validation(
-                    model,
-                    tokenizer,
-                    data,
-                    a.val_tokens,
-                    seq_len,
-                    max(1, a.batch_tokens // seq_len),
-                    info,
-                )
-            )
-        if "hellaswag" in tasks:
-            chosen.append(
-                hellaswag(model, tokenizer, a.hellaswag, a.hellaswag_limit, a.batch_tokens, info)
-            )
-        results, details = {}, {}
-        for task in chosen:
-            outcome = task.run(model, info, autocast)
-            results |= outcome.metrics
-            for key, value in outcome.details.items():  # numbers go in the table, lists in the JSON
-                (results if isinstance(value, int | float) else details)[key] = value
+        chosen = build_tasks(a, tasks, model, tokenizer, run_data, info)
+        results, details = run_tasks(chosen, model, info, autocast)
         if info.is_main:
-            out = Path(a.out) if a.out else None
-            if out is None:
-                out = (
-                    Path(a.run) / "eval" / f"step_{step:08d}.json"
-                    if a.run
-                    else Path(f"eval-{name}.json")
-                )
             record = {
                 "model": a.run or a.hf,
                 "step": step,
@@ -184,12 +216,7 @@ def main(argv: list[str]) -> int:
                 **results,
                 **details,
             }
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(record, indent=2) + "\n")
-            os.replace(tmp, out)
-            print(format_table(name, step, results))
-            print(f"wrote {out}")
+            write_record(a, name, step, record, results)
         finished = True
     finally:
         dist.teardown(wait_for_peers=finished)

@@ -28,12 +28,8 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def main(argv) -> int:
-    parser = ArgParser(
-        prog="gptrain prepare",
-        description="Tokenize text (or take llm.c shards) into shards + manifest.json.",
-    )
-    add = parser.add_argument
+def add_input_options(add) -> None:
+    """The inputs, the output folder, the tokenizer and the text field."""
     add(
         "--input",
         nargs="+",
@@ -51,6 +47,10 @@ def main(argv) -> int:
         help="byte | gpt2 | bpe:PATH (default byte; gpt2 for llm.c shards)",
     )
     add("--text-field", default="text", help="JSONL key / Parquet column of the text")
+
+
+def add_split_options(add) -> None:
+    """The validation split, the shards, the workers and the shuffle."""
     add(
         "--val-fraction", type=float, default=0.1, help="held-out share of the tokens (default 0.1)"
     )
@@ -76,6 +76,17 @@ def main(argv) -> int:
         help="seed of the train documents' shuffle (default --seed)",
     )
     add("--no-shuffle", action="store_true", help="keep the train documents in input order")
+
+
+def arg_parser() -> ArgParser:
+    """`gptrain prepare`'s options."""
+    parser = ArgParser(
+        prog="gptrain prepare",
+        description="Tokenize text (or take llm.c shards) into shards + manifest.json.",
+    )
+    add = parser.add_argument
+    add_input_options(add)
+    add_split_options(add)
     add(
         "--utf8-errors",
         choices=["strict", "replace"],
@@ -89,21 +100,22 @@ def main(argv) -> int:
         metavar="DIR",
         help="write prepared GPT-2 folder DIR as llm.c shards into --out",
     )
-    args = parser.parse_args(argv)
-    if args.verify:
-        verify_dir(args.verify)
-        print(f"ok: {args.verify}: every shard matches its manifest hash")
-        return 0
-    if args.export_llmc:
-        if not args.out:
-            raise UserError(
-                "gptrain prepare --export-llmc DIR needs --out FOLDER for the llm.c shards"
-            )
-        files = export_llmc(args.export_llmc, args.out)
-        print(
-            f"wrote {args.out}: {len(files)} llm.c shards, {sum(f['tokens'] for f in files):,} tokens"
-        )
-        return 0
+    return parser
+
+
+def export(args) -> int:
+    """--export-llmc: a prepared GPT-2 folder written as llm.c shards into --out."""
+    if not args.out:
+        raise UserError("gptrain prepare --export-llmc DIR needs --out FOLDER for the llm.c shards")
+    files = export_llmc(args.export_llmc, args.out)
+    print(
+        f"wrote {args.out}: {len(files)} llm.c shards, {sum(f['tokens'] for f in files):,} tokens"
+    )
+    return 0
+
+
+def run_prepare(args, argv) -> int:
+    """Prepare --input into --out and print what was written."""
     if not args.input or not args.out:
         raise UserError(
             "gptrain prepare: --input and --out are required (or --verify DIR, --export-llmc DIR)"
@@ -137,3 +149,14 @@ def main(argv) -> int:
         f"{len(m['shards'])} shards, tokenizer {m['tokenizer']['name']}, {time.perf_counter() - t0:.1f}s"
     )
     return 0
+
+
+def main(argv) -> int:
+    args = arg_parser().parse_args(argv)
+    if args.verify:
+        verify_dir(args.verify)
+        print(f"ok: {args.verify}: every shard matches its manifest hash")
+        return 0
+    if args.export_llmc:
+        return export(args)
+    return run_prepare(args, argv)

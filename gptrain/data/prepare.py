@@ -25,6 +25,8 @@ import math
 import os
 import shutil
 import sys
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,14 +35,11 @@ from gptrain.cache import cache_dir, sha256_file
 from gptrain.data import encode, llmc, parts
 from gptrain.data.assemble import VAL_MAX_TOKENS, Pieces, split_orders, write_splits
 from gptrain.data.convert import import_llmc
-from gptrain.data.encode import tokenize_to_file
 from gptrain.data.parts import plan, single_cut_items
 from gptrain.data.shards import dtype_for_vocab, write_manifest
-from gptrain.data.sources import BUILTIN_CORPORA, Document, base_name, expand_inputs
+from gptrain.data.sources import BUILTIN_CORPORA, base_name, expand_inputs
 from gptrain.data.tokenizers import load_tokenizer
 from gptrain.errors import UserError
-
-__all__ = ["Document", "prepare", "resolve_data_dir", "tokenize_to_file"]
 
 
 def llmc_files(expanded: list[str]) -> list[bool]:
@@ -77,39 +76,43 @@ def is_single_text(expanded: list[str], val_inputs, val_tokens) -> bool:
     return not base_name(item).endswith((".jsonl", ".parquet"))
 
 
-def tokenize_parts(
-    expanded,
-    val_expanded,
-    tok,
-    workdir,
-    workers,
-    progress,
-    text_field,
-    utf8_errors,
-    stats,
-    val_fraction,
-    val_tokens,
-):
+@dataclass(frozen=True)
+class TextOptions:
+    """How text inputs are read, tokenized, split and cut into shards (prepare's arguments)."""
+
+    workers: int
+    progress: bool
+    text_field: str
+    utf8_errors: str
+    val_fraction: float
+    val_tokens: int | None
+    val_max_tokens: int | None
+    shard_tokens: int
+    seed: int
+    shuffle_seed: int | None  # None: the train documents keep input order
+
+
+def tokenize_parts(expanded, val_expanded, tok, workdir, stats, opts: TextOptions):
     """Phase 1: every work item tokenized into its part (finished parts of an earlier run
     reused). Returns (Pieces, part records, part token files, whether it was the single-document
     cut)."""
     from tqdm import tqdm
 
-    single = is_single_text(expanded, val_expanded, val_tokens)
+    single = is_single_text(expanded, val_expanded, opts.val_tokens)
     if single:
-        items = iter(single_cut_items(expanded[0], val_fraction, utf8_errors, stats))
+        items = iter(single_cut_items(expanded[0], opts.val_fraction, opts.utf8_errors, stats))
     else:
         items = itertools.chain(
-            plan(expanded, 1 if val_expanded else 0, text_field, utf8_errors, stats),
-            plan(val_expanded, 2, text_field, utf8_errors, stats),
+            plan(expanded, 1 if val_expanded else 0, opts.text_field, opts.utf8_errors, stats),
+            plan(val_expanded, 2, opts.text_field, opts.utf8_errors, stats),
         )
     total = None
     if all(Path(p).is_file() for p in expanded + val_expanded):
         total = sum(Path(p).stat().st_size for p in expanded + val_expanded)
     settings = {
         "tokenizer": tok.hash,
-        "text_field": text_field,
-        "utf8_errors": utf8_errors,
+        "text_field": opts.text_field,
+        "utf8_errors": opts.utf8_errors,
         "chunk": encode.CHUNK_CHARS,
         "range": parts.RANGE_BYTES,
         "item": parts.ITEM_CHARS,
@@ -120,11 +123,11 @@ def tokenize_parts(
         unit="B",
         unit_scale=True,
         desc="tokenize",
-        disable=not progress,
+        disable=not opts.progress,
         mininterval=0.5,
     )
     with bar:
-        records = parts.run_parts(items, tok, workdir, settings, workers, bar)
+        records = parts.run_parts(items, tok, workdir, settings, opts.workers, bar)
     for record in records:
         for source, n in record["replaced"].items():
             stats[source] = stats.get(source, 0) + n
@@ -137,6 +140,33 @@ def tokenize_parts(
         records, lambda k: np.load(workdir / f"{records[k]['key']}.len.npy", allow_pickle=False)
     )
     return pieces, records, [workdir / f"{r['key']}.tok" for r in records], single
+
+
+def refuse_nonempty(out: Path) -> None:
+    """Refuse an --out that already holds something."""
+    if out.exists() and any(out.iterdir()):
+        raise UserError(
+            f"--out {out} already exists and is not empty; delete it or choose another folder"
+        )
+
+
+def all_llmc(expanded: list[str]) -> bool:
+    """Whether the inputs are llm.c shards (True) or text (False); a mix of the two is refused."""
+    flags = llmc_files(expanded)
+    if any(flags) and not all(flags):
+        kinds = [("llm.c" if f else "text") + f" {p}" for f, p in zip(flags, expanded, strict=True)]
+        raise UserError(
+            f"mixed llm.c shards and text inputs ({kinds[flags.index(True)]}, {kinds[flags.index(False)]}); "
+            "prepare them separately: llm.c shards are taken as they are, text is tokenized"
+        )
+    return bool(flags) and all(flags)
+
+
+def import_shards(expanded, val_expanded, tmp: Path, tokenizer) -> tuple[dict, Path]:
+    """llm.c shards taken into a fresh folder `tmp`: (manifest fields, that folder)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return import_llmc(expanded, val_expanded, tmp, tokenizer), tmp
 
 
 def prepare(
@@ -163,68 +193,50 @@ def prepare(
     if not inputs:
         raise UserError("no --input given; pass files, folders, globs or a built-in corpus name")
     check_args(val_fraction, val_tokens, val_max_tokens, shard_tokens, workers)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(
-            f"--out {out} already exists and is not empty; delete it or choose another folder"
-        )
+    refuse_nonempty(out)
     expanded, val_expanded = expand_inputs(inputs), expand_inputs(val_inputs or [])
-    flags = llmc_files(expanded + val_expanded)
-    if any(flags) and not all(flags):
-        kinds = [
-            ("llm.c" if f else "text") + f" {p}"
-            for f, p in zip(flags, expanded + val_expanded, strict=True)
-        ]
-        raise UserError(
-            f"mixed llm.c shards and text inputs ({kinds[flags.index(True)]}, {kinds[flags.index(False)]}); "
-            "prepare them separately: llm.c shards are taken as they are, text is tokenized"
-        )
-    tok = None if flags and all(flags) else load_tokenizer(tokenizer or "byte")
+    tok = None if all_llmc(expanded + val_expanded) else load_tokenizer(tokenizer or "byte")
     out.parent.mkdir(parents=True, exist_ok=True)
     workdir = out.parent / f".{out.name}.parts"  # finished work, kept until --out is published
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"  # llm.c imports are written here
-    stats: dict = {}
+    if tok is None:
+        make = partial(import_shards, expanded, val_expanded, tmp, tokenizer)
+    else:
+        shuffle_seed = shuffle_seed if shuffle_seed is not None else seed if shuffle else None
+        opts = TextOptions(
+            workers,
+            progress,
+            text_field,
+            utf8_errors,
+            val_fraction,
+            val_tokens,
+            val_max_tokens,
+            shard_tokens,
+            seed,
+            shuffle_seed,
+        )
+        make = partial(prepare_text, inputs, val_inputs, tok, workdir, opts)
     settings = {"inputs": list(inputs), "val_inputs": list(val_inputs or []), "seed": seed}
-    lock = exclusive(out.parent / f".{out.name}.lock")  # one prepare per --out at a time
+    command = command or f"prepare({', '.join(map(repr, inputs))}, tokenizer={tokenizer!r})"
+    return build_and_publish(out, workdir, tmp, make, settings, command)
+
+
+def build_and_publish(out: Path, workdir: Path, tmp: Path, make, settings, command) -> dict:
+    """Under --out's lock (one prepare per --out at a time): the folder made (`make()` returns
+    its manifest fields and the folder), its manifest written, the folder published as `out`;
+    returns the manifest. A UserError keeps the work folder where it holds tokens (the same
+    command again reuses them)."""
+    lock = exclusive(out.parent / f".{out.name}.lock")
     try:
-        if out.exists() and any(out.iterdir()):  # another process published it meanwhile
-            raise UserError(
-                f"--out {out} already exists and is not empty; delete it or choose another folder"
-            )
-        if tok is None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            manifest = import_llmc(expanded, val_expanded, tmp, tokenizer)
-            folder = tmp
-        else:
-            shuffle_seed = shuffle_seed if shuffle_seed is not None else seed if shuffle else None
-            manifest, folder = prepare_text(
-                inputs,
-                val_inputs,
-                tok,
-                workdir,
-                workers,
-                progress,
-                text_field,
-                utf8_errors,
-                stats,
-                val_fraction,
-                val_tokens,
-                val_max_tokens,
-                shard_tokens,
-                seed,
-                shuffle_seed,
-            )
-            manifest["text_field"] = text_field
-            manifest["invalid_utf8"] = {"replaced": sum(stats.values()), "files": stats}
+        refuse_nonempty(out)  # another process published it meanwhile
+        manifest, folder = make()
         manifest = {
             "format": "gptrain-shards",
             "version": 2 if "parts" in manifest else 1,
             **manifest,
             **settings,
         }
-        manifest["command"] = (
-            command or f"prepare({', '.join(map(repr, inputs))}, tokenizer={tokenizer!r})"
-        )
+        manifest["command"] = command
         write_manifest(folder, manifest)
         publish(folder, out)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -252,69 +264,64 @@ def exclusive(path: Path):
     return f
 
 
-def prepare_text(
-    inputs,
-    val_inputs,
-    tok,
-    workdir,
-    workers,
-    progress,
-    text_field,
-    utf8_errors,
-    stats,
-    val_fraction,
-    val_tokens,
-    val_max_tokens,
-    shard_tokens,
-    seed,
-    shuffle_seed,
-) -> tuple[dict, Path]:
+def cut_single_document(pieces: Pieces, opts: TextOptions) -> Pieces:
+    """One document with no split of its own: its last val tokens become the val split."""
+    n = int(pieces.length.sum(dtype=np.int64))
+    want = opts.val_tokens if opts.val_tokens is not None else math.ceil(opts.val_fraction * n)
+    if opts.val_tokens is None and opts.val_max_tokens is not None:
+        want = min(want, opts.val_max_tokens)
+    if want >= n:
+        raise UserError(
+            f"val split takes all {n} tokens, leaving none for training; lower --val-fraction or --val-tokens"
+        )
+    return pieces.cut_single(n - want)
+
+
+def link_parts(folder: Path, part_paths: list[Path], records: list[dict]) -> list[dict]:
+    """The parts as folder/parts/part_NNNNNN.tok (hard links where possible); their entries."""
+    (folder / "parts").mkdir(parents=True)
+    entries = []
+    for i, (path, record) in enumerate(zip(part_paths, records, strict=True)):
+        name = f"parts/part_{i:06d}.tok"
+        link_or_copy(path, folder / name)
+        entries.append({"file": name, "tokens": record["tokens"], "sha256": record["sha256"]})
+    return entries
+
+
+def prepare_text(inputs, val_inputs, tok, workdir, opts: TextOptions) -> tuple[dict, Path]:
     """Phase 1 (parts), then the split, shuffle and shards: a folder inside the work folder that
     holds the parts (hard links: the tokens are written once), each split's span table and each
     shard's document index. Returns (manifest fields, that folder)."""
     expanded, val_expanded = expand_inputs(inputs), expand_inputs(val_inputs or [])
+    stats: dict = {}
     pieces, records, part_paths, single = tokenize_parts(
-        expanded,
-        val_expanded,
-        tok,
-        workdir,
-        workers,
-        progress,
-        text_field,
-        utf8_errors,
-        stats,
-        val_fraction,
-        val_tokens,
+        expanded, val_expanded, tok, workdir, stats, opts
     )
     if int(pieces.length.sum(dtype=np.int64)) == 0:
         raise UserError(f"empty input: {' '.join(inputs)} holds no text")
     if val_inputs and not (pieces.doc_split == 2).any():
         raise UserError(f"empty input: --val-input {' '.join(val_inputs)} holds no text")
     n_docs = pieces.num_docs - (1 if single else 0)
-    if pieces.num_docs == 1 and pieces.doc_split[0] == 0:  # one document: its last val tokens
-        n = int(pieces.length.sum(dtype=np.int64))
-        want = val_tokens if val_tokens is not None else math.ceil(val_fraction * n)
-        if val_tokens is None and val_max_tokens is not None:
-            want = min(want, val_max_tokens)
-        if want >= n:
-            raise UserError(
-                f"val split takes all {n} tokens, leaving none for training; lower --val-fraction or --val-tokens"
-            )
-        pieces = pieces.cut_single(n - want)
-    orders = split_orders(pieces, val_fraction, val_tokens, val_max_tokens, seed, shuffle_seed)
+    if pieces.num_docs == 1 and pieces.doc_split[0] == 0:
+        pieces = cut_single_document(pieces, opts)
+    orders = split_orders(
+        pieces,
+        opts.val_fraction,
+        opts.val_tokens,
+        opts.val_max_tokens,
+        opts.seed,
+        opts.shuffle_seed,
+    )
     dtype = dtype_for_vocab(tok.vocab_size)
     tmp = workdir / "folder"  # published as --out; made afresh (it holds no tokens of its own)
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "parts").mkdir(parents=True)
-    part_entries = []
-    for i, (path, record) in enumerate(zip(part_paths, records, strict=True)):
-        name = f"parts/part_{i:06d}.tok"
-        link_or_copy(path, tmp / name)
-        part_entries.append({"file": name, "tokens": record["tokens"], "sha256": record["sha256"]})
-    shards, spans, splits = write_splits(tmp, pieces, orders, shard_tokens)
+    part_entries = link_parts(tmp, part_paths, records)
+    shards, spans, splits = write_splits(tmp, pieces, orders, opts.shard_tokens)
     del orders, pieces
     if tok.name == "bpe":  # keep the tokenizer with the data, for sampling elsewhere
         shutil.copyfile(tok.path, tmp / "tokenizer.json")
+    held_out = opts.val_tokens is not None or val_inputs  # the val size is not a fraction
+    shuffle = None if opts.shuffle_seed is None else {"seed": opts.shuffle_seed, "split": "train"}
     return {
         "tokenizer": tok.identity(),
         "vocab_size": tok.vocab_size,
@@ -325,11 +332,13 @@ def prepare_text(
         "shards": shards,
         "parts": part_entries,
         "spans": spans,
-        "val_fraction": None if val_tokens is not None or val_inputs else val_fraction,
-        "val_tokens": val_tokens,
-        "val_max_tokens": None if val_tokens is not None or val_inputs else val_max_tokens,
-        "shard_tokens": shard_tokens,
-        "shuffle": None if shuffle_seed is None else {"seed": shuffle_seed, "split": "train"},
+        "val_fraction": None if held_out else opts.val_fraction,
+        "val_tokens": opts.val_tokens,
+        "val_max_tokens": None if held_out else opts.val_max_tokens,
+        "shard_tokens": opts.shard_tokens,
+        "shuffle": shuffle,
+        "text_field": opts.text_field,
+        "invalid_utf8": {"replaced": sum(stats.values()), "files": stats},
     }, tmp
 
 

@@ -11,23 +11,19 @@ times:
                       # per-example predictions (may be empty)
 
 Instances: `ValLoss` (evals/val.py) and `HellaSwag` (evals/hellaswag.py). A new task is a class
-with a `name` and this `run` method; see docs/architecture.md, "An eval task".
+with a `name` (its name in `gptrain eval --tasks` and the prefix of its metric keys) and this
+`run` method; see docs/architecture.md, "An eval task".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 
 @dataclass
 class Outcome:
+    """What one run of a task gives (see above)."""
+
     metrics: dict[str, float]
     line: str
     details: dict = field(default_factory=dict)
-
-
-class EvalTask(Protocol):
-    name: str  # its name in `gptrain eval --tasks` and the prefix of its metric keys
-
-    def run(self, model, info, autocast) -> Outcome: ...

@@ -155,22 +155,7 @@ def decide(
         or (dtype == "bfloat16" and attention == "auto")
         or muon_dtype in ("auto", "bfloat16")
     )
-    native = True
-    if cuda:
-        native = cuda_supports_bf16()
-    elif wants_bf16:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # a property of one core; threads would time their contention
-        try:
-            mm = measure(
-                "bf16-probe",
-                256,
-                {d: partial(matmul_run, device, d) for d in ("float32", "bfloat16")},
-            )
-        finally:
-            torch.set_num_threads(threads)
-        out.bf16_ratio = mm["bfloat16"] / mm["float32"]
-        native = out.bf16_ratio <= BF16_EMULATED_RATIO
+    native = _bf16_native(device, cuda, wants_bf16, measure, out)
     if muon_dtype == "bfloat16" and not native:
         why = (
             "compute capability < 8.0"
@@ -181,7 +166,54 @@ def decide(
             f"optim.muon_dtype = 'bfloat16' but this device computes bf16 only by emulation ({why}); use optim.muon_dtype=float32 or auto"
         )
 
-    # dtype x attention: one block of the run's shapes
+    dtypes = _dtype_candidates(dtype, cuda, native, fsdp, out)
+    kernels = _kernel_candidates(attention, shapes, out)
+    _decide_block(device, shapes, dtypes, kernels, measure, out, asked=(dtype, attention))
+    if len(dtypes) == 1 and out.how["dtype"] == "measured":
+        out.how["dtype"] = no_bf16
+    _decide_muon(device, shapes, muon_dtype, native, measure, out, no_bf16)
+    if measure.hits and all(measure.hits):
+        out.how = {k: v.replace("measured", "cached") for k, v in out.how.items()}
+    _save_timings(measure, timer, cuda, warnings)
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def _save_timings(measure, timer, cuda: bool, warnings: list) -> None:
+    """Cache the timings, unless other processes took CPU cores from this one while it timed
+    (then they are used, not cached, with a warning)."""
+    crowding = timer.crowding() if hasattr(timer, "crowding") and not cuda else 0.0
+    if measure.dirty and crowding > CROWDED:
+        warnings.append(
+            f"other processes took {crowding:.1f} CPU cores from this one while it timed its speed choices: used, not cached"
+        )
+    else:
+        measure.save()
+
+
+def _bf16_native(device: str, cuda: bool, wants_bf16: bool, measure, out: Choices) -> bool:
+    """Whether bf16 is native here: compute capability on a GPU; on a CPU the bf16 probe (one
+    thread, its ratio in out.bf16_ratio) where a choice may use bf16, else True untimed."""
+    if cuda:
+        return cuda_supports_bf16()
+    if not wants_bf16:
+        return True
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a property of one core; threads would time their contention
+    try:
+        mm = measure(
+            "bf16-probe",
+            256,
+            {d: partial(matmul_run, device, d) for d in ("float32", "bfloat16")},
+        )
+    finally:
+        torch.set_num_threads(threads)
+    out.bf16_ratio = mm["bfloat16"] / mm["float32"]
+    return out.bf16_ratio <= BF16_EMULATED_RATIO
+
+
+def _dtype_candidates(dtype: str, cuda: bool, native: bool, fsdp: bool, out: Choices) -> list:
+    """The dtypes a block is timed in (one: nothing to time), with how train.dtype is decided."""
     if dtype != "auto":
         dtypes, out.how["dtype"] = [dtype], "config"
     elif cuda:  # float32 (TF32 if set) against the GPU's fast dtype, where that is not float32
@@ -189,7 +221,12 @@ def decide(
         dtypes, out.how["dtype"] = ["float32"] + [low] * (low != "float32"), "measured"
     else:
         dtypes, out.how["dtype"] = ["float32"] + ["bfloat16"] * native, "measured"
-    s = shapes
+    return dtypes
+
+
+def _kernel_candidates(attention: str, s: Shapes, out: Choices) -> list:
+    """The attention kernels a block is timed with: matmul only while the probabilities it keeps
+    for backward stay under MATMUL_MEMORY; with how train.attention is decided."""
     kept = s.n_layer * s.micro_batch * s.n_head * s.seq_len * (s.seq_len + 1) // 2 * 6
     kernels = (
         ["sdpa"] + ["matmul"] * (kept <= MATMUL_MEMORY) if attention == "auto" else [attention]
@@ -197,28 +234,15 @@ def decide(
     out.how["attention"] = "config" if attention != "auto" else "measured"
     if kernels == ["sdpa"] and attention == "auto":
         out.how["attention"] = f"rule: matmul would keep {kept / 2**30:.1f} GiB for backward"
+    return kernels
+
+
+def _decide_block(device, s: Shapes, dtypes, kernels, measure, out: Choices, asked) -> None:
+    """out.dtype and out.attention: the fastest dtype/kernel pair, timing one block of the run's
+    shapes (float32 unless bf16 is clearly faster), or the only pair there is."""
     combos = [f"{d}/{k}" for d in dtypes for k in kernels]
     if len(combos) > 1:
-        slow = max(1.0, out.bf16_ratio or 1.0) if "bfloat16" in dtypes else 1.0  # emulated bf16
-        most = GPU_BLOCK_FLOPS if cuda else BLOCK_FLOPS / slow
-        n = max(1, min(s.micro_batch, int(most / block_flops(s))))
-        shape = [n, s.seq_len, s.n_embd, s.n_head, s.gelu, s.bias]
-        if cuda:  # TF32 changes float32's time
-            shape.append(bool(torch.backends.cuda.matmul.allow_tf32))
-        makes = {c: partial(block_run, device, s, n, c) for c in combos}
-        try:
-            times = measure("block", shape, makes, rounds=2)
-        except torch.cuda.OutOfMemoryError:  # a GPU too small for one block of n sequences
-            if not cuda:
-                raise
-            torch.cuda.empty_cache()
-            combos = [f"{dtypes[-1]}/{kernels[0]}"]  # the rule: the fast dtype, sdpa (below)
-            for key, asked in (("dtype", dtype), ("attention", attention)):
-                if asked == "auto":
-                    out.how[key] = "rule: its timing ran out of memory"
-            warnings.append(
-                f"one block of {n} x {s.seq_len} tokens did not fit this GPU's memory; train.dtype and train.attention = auto follow the rule ({combos[0]})"
-            )
+        combos, times, n = _time_block(device, s, dtypes, kernels, combos, measure, out, asked)
     if len(combos) > 1:
         out.block_ms, out.block_tokens = {c: t * 1e3 for c, t in times.items()}, (n, s.seq_len)
         out.dtype = _pick(times, combos).split("/")[0]  # float32 unless bf16 is clearly faster
@@ -226,10 +250,38 @@ def decide(
         out.attention = _pick(times, kernels_timed, KERNEL_MARGIN).split("/")[1]
     else:
         out.dtype, out.attention = combos[0].split("/")
-    if len(dtypes) == 1 and out.how["dtype"] == "measured":
-        out.how["dtype"] = no_bf16
 
-    # Muon's orthogonalisation
+
+def _time_block(device, s: Shapes, dtypes, kernels, combos, measure, out: Choices, asked):
+    """(combos, times, sequences): one block of at most BLOCK_FLOPS (GPU_BLOCK_FLOPS) timed per
+    combo. A GPU that runs out of memory leaves one combo, the rule's, with a warning."""
+    cuda = device.startswith("cuda")
+    slow = max(1.0, out.bf16_ratio or 1.0) if "bfloat16" in dtypes else 1.0  # emulated bf16
+    most = GPU_BLOCK_FLOPS if cuda else BLOCK_FLOPS / slow
+    n = max(1, min(s.micro_batch, int(most / block_flops(s))))
+    shape = [n, s.seq_len, s.n_embd, s.n_head, s.gelu, s.bias]
+    if cuda:  # TF32 changes float32's time
+        shape.append(bool(torch.backends.cuda.matmul.allow_tf32))
+    makes = {c: partial(block_run, device, s, n, c) for c in combos}
+    try:
+        return combos, measure("block", shape, makes, rounds=2), n
+    except torch.cuda.OutOfMemoryError:  # a GPU too small for one block of n sequences
+        if not cuda:
+            raise
+        torch.cuda.empty_cache()
+        combos = [f"{dtypes[-1]}/{kernels[0]}"]  # the rule: the fast dtype, sdpa
+        for key, value in zip(("dtype", "attention"), asked, strict=True):
+            if value == "auto":
+                out.how[key] = "rule: its timing ran out of memory"
+        out.warnings.append(
+            f"one block of {n} x {s.seq_len} tokens did not fit this GPU's memory; train.dtype and train.attention = auto follow the rule ({combos[0]})"
+        )
+        return combos, None, n
+
+
+def _decide_muon(device, s: Shapes, muon_dtype, native: bool, measure, out: Choices, no_bf16):
+    """out.muon_dtype for auto: bf16 against float32 on one Newton-Schulz orthogonalisation of
+    each Muon matrix shape (float32 where bf16 is emulated or there is no matrix)."""
     if muon_dtype == "auto":
         options = ["float32"] + ["bfloat16"] * native
         if len(options) > 1 and s.muon:
@@ -242,17 +294,6 @@ def decide(
         out.how["muon_dtype"] = "measured" if native else no_bf16
     elif muon_dtype:
         out.how["muon_dtype"] = "config"
-    if measure.hits and all(measure.hits):
-        out.how = {k: v.replace("measured", "cached") for k, v in out.how.items()}
-    crowding = timer.crowding() if hasattr(timer, "crowding") and not cuda else 0.0
-    if measure.dirty and crowding > CROWDED:
-        warnings.append(
-            f"other processes took {crowding:.1f} CPU cores from this one while it timed its speed choices: used, not cached"
-        )
-    else:
-        measure.save()
-    out.seconds = time.perf_counter() - start
-    return out
 
 
 def for_run(cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None = None) -> Choices:
