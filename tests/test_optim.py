@@ -308,13 +308,16 @@ def test_set_lr_adamw_groups():
     assert [g["lr"] for g in opt.param_groups] == [2e-4, 2e-4]
 
 
-def test_muon_refused_under_fsdp_and_built_without_torch_optim_muon(monkeypatch):
-    """FSDP2 is refused (each rank would orthogonalise its shard); a torch without
-    torch.optim.Muon (< 2.9) trains Muon anyway: the update is gptrain's own (training/muon.py)."""
+def test_muon_under_fsdp_splits_and_is_built_without_torch_optim_muon(monkeypatch):
+    """FSDP2 takes Muon with the work split (auto or split) and refuses redundant in one line (no
+    rank holds a whole matrix); a torch without torch.optim.Muon (< 2.9) trains Muon anyway: the
+    update is gptrain's own (training/muon.py)."""
     from gptrain.config.load import load_config
 
-    with pytest.raises(UserError, match="optim.name = 'muon' with dist.mode = 'fsdp'"):
-        load_config(None, ["optim.name=muon", "dist.mode=fsdp"])
+    for split in ("auto", "split"):
+        load_config(None, ["optim.name=muon", "dist.mode=fsdp", f"optim.muon_split={split}"])
+    with pytest.raises(UserError, match="optim.muon_split = 'redundant' with dist.mode = 'fsdp'"):
+        load_config(None, ["optim.name=muon", "dist.mode=fsdp", "optim.muon_split=redundant"])
     monkeypatch.delattr(torch.optim, "Muon")
     cfg = load_config(None, ["optim.name=muon"]).optim
     model = _model()

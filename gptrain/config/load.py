@@ -61,8 +61,8 @@ class Config:
             f"optim.warmup_steps = {o.warmup_steps} must be in [0, train.max_steps = {t.max_steps}]",
         )
         check(
-            not (o.name == "muon" and d.mode == "fsdp"),  # gptrain's own Muon (training/muon.py)
-            "optim.name = 'muon' with dist.mode = 'fsdp' is not supported (Muon would orthogonalise each rank's shard, not the whole matrix); use dist.mode = 'ddp' or optim.name = 'adamw'",
+            not (o.name == "muon" and o.muon_split == "redundant" and d.mode == "fsdp"),
+            "optim.muon_split = 'redundant' with dist.mode = 'fsdp': no rank holds a whole sharded matrix to orthogonalise (each is gathered to one owner rank); use optim.muon_split=split or auto",
         )
         b = self.model.block_size
         check(

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 
 from gptrain.errors import UserError
 
+MUON_SPLIT_HELP = "muon only, 2+ processes: split: each matrix orthogonalised on one rank, sent to the others (FSDP2: always); redundant: every DDP rank does every matrix; auto: split"
+
 
 def opt(default, help: str, choices: tuple | None = None, type_text: str = ""):
     """A config field: its default, its one-line documentation and, optionally, allowed values and
@@ -201,6 +203,7 @@ class OptimConfig:
         "muon only: dtype of the orthogonalisation: bfloat16 (as torch.optim.Muon; native bf16 only), float32, or auto: the faster of the two, timed at start-up (cached per machine)",
         ("auto", "bfloat16", "float32"),
     )
+    muon_split: str = opt("auto", MUON_SPLIT_HELP, ("auto", "redundant", "split"))
 
     def check(self) -> None:
         check(self.lr > 0, f"optim.lr = {self.lr} must be > 0")

@@ -9,6 +9,7 @@ the training loop ask these functions and never sniff wrapper types themselves.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -162,3 +163,44 @@ def syncs_per_block(wrapped: nn.Module) -> bool:
     """Does forward/backward gather and reduce per block (FSDP2), so that a step without sync
     still communicates?"""
     return hasattr(wrapped, "set_requires_gradient_sync")
+
+
+@dataclass(frozen=True)
+class RowShards:
+    """How a matrix is split over the ranks of `group`: rank r holds rows[r] whole rows, the
+    block starting at row r * max(rows) (torch.chunk's split of dim 0, as DTensor's Shard(0))."""
+
+    group: object  # the torch.distributed ProcessGroup of the mesh
+    rank: int  # this process's index in `group`
+    rows: tuple[int, ...]
+
+
+def row_shards(p: torch.Tensor) -> RowShards | None:
+    """The layout of a matrix parameter: None when this rank holds all of it (one process, DDP);
+    its row blocks when it is a DTensor sharded along dim 0 over a 1-D mesh (FSDP2's layout);
+    ValueError naming the layout for anything else (e.g. sharded along its columns)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return None
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    by_rows = mesh.ndim == 1 and len(placements) == 1 and type(placements[0]) is Shard
+    if not by_rows or placements[0].dim != 0:
+        raise ValueError(f"sharded as {placements} over a {mesh.ndim}-D mesh, not by rows")
+    n, total = mesh.size(), p.shape[0]
+    chunk = -(-total // n)
+    rows = tuple(max(0, min(chunk, total - r * chunk)) for r in range(n))
+    me = mesh.get_local_rank()
+    if p.to_local().shape[0] != rows[me]:
+        raise ValueError(f"sharded into uneven row blocks ({p.to_local().shape[0]} rows here)")
+    return RowShards(mesh.get_group(), me, rows)
+
+
+def replica_group():
+    """The process group whose ranks hold identical copies of the plain (unsharded) parameters:
+    the default group of a run with 2+ processes (DDP); None for one process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None

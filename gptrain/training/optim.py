@@ -5,9 +5,9 @@ Weight decay applies to matrices (embeddings and Linear weights, dim >= 2) and n
 LayerNorm parameters: optim.weight_decay to AdamW's matrices, optim.muon_weight_decay to Muon's
 (both decoupled, multiplied by their own optimizer's scheduled lr). AdamW works unchanged with
 FSDP2 (DTensor parameters report their global shape); Muon (ours, gptrain/training/muon.py:
-torch.optim.Muon's update with the orthogonalisation in a dtype chosen for the device) is refused
-under FSDP2 by config validation: it would orthogonalise each rank's shard of a matrix instead of
-the whole matrix.
+torch.optim.Muon's update with the orthogonalisation in a dtype chosen for the device)
+orthogonalises each whole matrix once per step on one owner rank under FSDP2, and under DDP too
+with optim.muon_split = split (`muon_splits`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 
 from gptrain.config.sections import OptimConfig
+from gptrain.distributed import parallelize
+from gptrain.errors import UserError
 from gptrain.training.muon import Muon
 
 
@@ -57,8 +59,9 @@ class MuonAdamW(torch.optim.Optimizer):
     Muon scales each matrix's step by sqrt(max(1, rows / cols)) (torch's adjust_lr_fn
     "original", Keller Jordan's rule, as in modded-nanogpt and nanochat), so `muon_lr` is of the
     order of 0.02 while AdamW's lr stays that of an AdamW run. `muon_dtype` is the dtype of the
-    orthogonalisation (bf16: torch.optim.Muon's, bit for bit); the groups and state are
-    torch.optim.Muon's, so checkpoints of earlier versions (which used it) resume."""
+    orthogonalisation (bf16: torch.optim.Muon's, bit for bit); `muon_split`: under DDP, each
+    matrix orthogonalised on one rank and broadcast (gptrain/training/muon.py). The groups and
+    state are torch.optim.Muon's, so checkpoints of earlier versions (which used it) resume."""
 
     def __init__(
         self,
@@ -68,8 +71,9 @@ class MuonAdamW(torch.optim.Optimizer):
         muon: dict,
         adamw: dict,
         muon_dtype: torch.dtype = torch.bfloat16,
+        muon_split: bool = False,
     ):
-        self.muon = Muon(muon_params, **muon, dtype=muon_dtype)
+        self.muon = Muon(muon_params, **muon, dtype=muon_dtype, split=muon_split)
         self.adamw = torch.optim.AdamW(adamw_groups, **adamw)
         super().__init__(self.muon.param_groups + self.adamw.param_groups, defaults={})
         self._n_muon = len(self.muon.param_groups)
@@ -117,7 +121,32 @@ def build_optimizer(
     )
     if muon_dtype is None:
         muon_dtype = torch.float32 if cfg.muon_dtype == "float32" else torch.bfloat16
-    return MuonAdamW(muon_params, groups, muon=muon, adamw=adamw, muon_dtype=muon_dtype)
+    check_muon_layout(model, muon_params)
+    split = muon_splits(cfg.muon_split)
+    return MuonAdamW(
+        muon_params, groups, muon=muon, adamw=adamw, muon_dtype=muon_dtype, muon_split=split
+    )
+
+
+def muon_splits(choice: str) -> bool:
+    """optim.muon_split: does each DDP rank orthogonalise only the matrices it owns and receive
+    the others' (split), or every matrix itself (redundant)? auto: split, measured faster at 2
+    ranks and equal at 1 (docs/distributed.md, "Muon under FSDP2 and DDP"). FSDP2 always splits:
+    no rank holds a whole matrix."""
+    return choice != "redundant"
+
+
+def check_muon_layout(model: nn.Module, muon_params: list) -> None:
+    """A UserError naming the first Muon matrix whose layout Muon cannot orthogonalise whole
+    (parallelize.row_shards: sharded other than by rows over one mesh), and the fix."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in muon_params:
+        try:
+            parallelize.row_shards(p)
+        except ValueError as e:
+            raise UserError(
+                f"optim.name = 'muon': parameter {names.get(id(p), tuple(p.shape))} is {e}; Muon orthogonalises whole matrices and needs each rank's shard to be whole rows (FSDP2's default Shard(0)): shard it by rows, or use optim.name=adamw"
+            ) from None
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, cfg: OptimConfig) -> None:
