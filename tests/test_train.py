@@ -112,7 +112,7 @@ def test_accumulation_splits_are_equivalent(byte_data, tmp_path):
         ("--train.total_batch_size=1000", "nearest valid totals"),
         ("--data.dir=/nonexistent/folder", "/nonexistent/folder"),
         ("--model.preset=gpt5", "model.preset"),
-        ("--train.dtype=float16", "float16"),
+        ("--train.dtype=float8", "train.dtype"),
     ],
 )
 def test_bad_input_one_line_exit_2(byte_data, tmp_path, capsys, override, needle):
@@ -278,3 +278,47 @@ def test_an_op_without_a_deterministic_kernel_is_one_line_and_exit_2(byte_data, 
     assert "train.deterministic=false" in err
     with pytest.raises(RuntimeError, match="avg_pool3d"):
         cli(args)
+
+
+def test_progress_bar_only_on_a_terminal(byte_data, tmp_path):
+    """log.progress = true draws the bar where stderr is a terminal (a pty here); a batch log
+    (a pipe) gets the plain step lines instead of carriage-return redraws."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    args = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    args += [
+        "--train.max_steps=4",
+        "--optim.warmup_steps=1",
+        "--eval.every=0",
+        "--eval.sample_every=0",
+    ]
+    args += ["--log.every=2"]
+    args += ["--eval.tokens=512", "--log.progress=true"]
+    piped = subprocess.run([*args, f"--run.dir={tmp_path / 'a'}"], capture_output=True, text=True)
+    assert piped.returncode == 0, piped.stderr
+    assert "step 2/4 loss" in piped.stdout and "\r" not in piped.stderr
+    main, sub = pty.openpty()
+    fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100
+    proc = subprocess.Popen(
+        [*args, f"--run.dir={tmp_path / 'b'}"], stdout=subprocess.PIPE, stderr=sub
+    )
+    os.close(sub)
+    drawn = b""
+    while True:  # read while it runs: the terminal's buffer is small
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the process closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    out, _ = proc.communicate(timeout=120)
+    os.close(main)
+    assert proc.returncode == 0
+    assert b"train:" in drawn and b"4/4" in drawn and b"step 2/4 loss" not in out

@@ -52,12 +52,25 @@ def test_budgets_follow_the_measured_times_per_phase():
     wd.enter("save", 3)  # step 3 took 8 s
     assert wd.budget("step", 4) == 80.0 and wd.budget("save", 3) == FIRST_S
     clock.t = 359.0
-    wd.enter("eval", 3)  # the save took 30 s
-    assert wd.budget("save", 6) == 300.0 and wd.budget("eval", 3) == FIRST_S
+    wd.enter("val", 3)  # the save took 30 s
+    assert wd.budget("save", 6) == 300.0 and wd.budget("val", 3) == FIRST_S
     clock.t = 360.0
-    wd.enter("step", 4)
-    assert wd.budget("eval", 6) == 60.0 and wd.budget("step", 4) == 80.0
-    assert wd.totals == {"start": 20.0, "step": 309.0, "save": 30.0, "eval": 1.0, "upload": 0.0}
+    wd.enter("hellaswag", 3)  # validation took 1 s
+    # the first HellaSwag pass is judged by its own (first) budget, not validation's 60 s
+    assert wd.budget("hellaswag", 3) == FIRST_S and wd.budget("val", 6) == 60.0
+    clock.t = 660.0
+    wd.enter("step", 4)  # HellaSwag took 300 s
+    assert wd.budget("hellaswag", 6) == 3000.0 and wd.budget("step", 4) == 80.0
+    assert wd.totals == {
+        "start": 20.0,
+        "step": 309.0,
+        "save": 30.0,
+        "rollback": 0.0,
+        "val": 1.0,
+        "hellaswag": 300.0,
+        "sample": 0.0,
+        "upload": 0.0,
+    }
 
     fixed = Watchdog(7, 0, clock=clock)
     fixed.enter("step", 11)

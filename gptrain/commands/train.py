@@ -85,7 +85,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption
             # steps that sync anyway: the non-finite and spike policies; rollback past a bad step
             if log or save or stop:
                 if bad := rollback_point(state.nonfinite, state.spikes, step, run.logger):
-                    watchdog.enter("save", step)  # reading a checkpoint: the save's budget
+                    watchdog.enter("rollback", step)
                     checkpointer.roll_back(*bad, windows_per_step=t.total_batch_size // t.seq_len)
                     meter.restart(state.step)
                     continue
@@ -97,8 +97,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption
                 ledger.progress()  # the attempt's time accounting so far (goodput), main only
             # once in a while: evaluate, then log the step
             if log:
-                watchdog.enter("eval", step)
-                meter.report(step, {**metrics, **run.evaluate(step, evals)})
+                meter.report(step, {**metrics, **run.evaluate(step, evals, watchdog)})
             if stop and not last_step:  # (a signal at the last step: the run simply finishes)
                 stopped_by = preemption.received or "a signal to another rank"
                 run.logger.text(
@@ -120,8 +119,8 @@ def _before_loop(run, cfg: Config, preemption: Preemption, watchdog: Watchdog, l
         ledger.outcome = "preempted"
         return {**_counts(run), "stopped_by": preemption.received or "signal"}
     if run.resumed_from is None and cfg.eval.every > 0:  # curves start at step 0
-        watchdog.enter("eval", 0)
-        run.logger.log(0, {"tokens": 0, **run.evaluate(0, Due(val=True))})
+        due = Due(val=True, hellaswag=run.evaluator.due(0, False).hellaswag)
+        run.logger.log(0, {"tokens": 0, **run.evaluate(0, due, watchdog)})
     if state.step >= cfg.train.max_steps:  # nothing to do: the summary and plot stay as they are
         run.logger.text(
             f"already trained to step {state.step} (train.max_steps = {cfg.train.max_steps}); raise train.max_steps to continue"

@@ -313,7 +313,10 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LogConfig:
     every: int = opt(10, "log metrics every N steps (the only steps that sync with the device)")
-    progress: bool = opt(True, "show a progress bar on the main process")
+    progress: bool = opt(
+        True,
+        "a progress bar on the main process where stderr is a terminal; elsewhere (batch logs) plain step lines",
+    )
     tensorboard: bool = opt(
         False, "also write TensorBoard events to run.dir/tb (needs tensorboard)"
     )

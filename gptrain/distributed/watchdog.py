@@ -1,11 +1,11 @@
 """The hang watchdog (`dist.hang_timeout_s = auto | seconds | 0`): one thread per rank.
 
-The loop only marks phase boundaries, `watchdog.enter("step", step)` / `"save"` / `"eval"`: one
+The loop only marks phase boundaries, `watchdog.enter("step", step)`, `"save"`, `"val"`, ...: one
 time.monotonic() and one tuple assignment, no host sync, nothing on the device. The thread
 wakes up about once a second (10 times per budget when the budget is under 10 s) and compares the
 time spent in the current phase with that phase's budget:
 
-- a number of seconds: that budget for every step, save and eval;
+- a number of seconds: that budget for every instance of every phase;
 - auto: 10x the slowest completed instance of the phase in this process, never below 60 s;
 - start-up (data, resume, model, speed choices), the first step of a process (which compiles)
   and, under auto, the first instance of any phase: FIRST_S (1 h) or the number, if more;
@@ -40,7 +40,10 @@ MIN_S = 60.0  # auto never goes below this
 FACTOR = 10.0  # auto: this times the slowest instance seen
 BOUNDED_S = 10.0  # each expiry action (stack dump, flight recorder, ledger) gets this long
 
-PHASES = ("start", "step", "save", "eval", "upload")  # upload: waiting for the mirror at the end
+# Each kind of work has its own budget: a first HellaSwag pass is not judged by validation's
+# time, nor a rollback's checkpoint read by a save's. upload: waiting for the mirror at the end.
+PHASES = ("start", "step", "save", "rollback", "val", "hellaswag", "sample", "upload")
+EVAL_PHASES = ("val", "hellaswag", "sample")
 
 
 def parse(setting: int | str) -> float | None:

@@ -40,6 +40,7 @@ from gptrain.cache import atomic_write_bytes
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.sections import RunConfig
 from gptrain.distributed import runtime as dist
+from gptrain.distributed.watchdog import EVAL_PHASES
 from gptrain.errors import UserError, first_line
 from gptrain.training.guards import NonFiniteStop
 
@@ -243,8 +244,8 @@ class Ledger:
             "startup_s": t["start"],
             "step_s": t["step"],
             "first_step_s": wd.first_step_s,
-            "save_s": t["save"] + t["upload"],
-            "eval_s": t["eval"],
+            "save_s": t["save"] + t["rollback"] + t["upload"],
+            "eval_s": sum(t[p] for p in EVAL_PHASES),
         }
 
     def add_goodput(self, summary: dict, logger) -> None:

@@ -49,20 +49,24 @@ class Evaluator:
             sample=_every(e.sample_every, step, last_step),
         )
 
-    def run(self, step: int, due: Due, wrapped, info, autocast, logger) -> dict:
-        """Collective: the due evaluations' metrics; each logs one line."""
+    def run(self, step: int, due: Due, wrapped, info, autocast, logger, watchdog) -> dict:
+        """Collective: the due evaluations' metrics; each logs one line and is watched as its
+        own phase (val, hellaswag, sample), with its own hang budget."""
         out = {}
         if due.val:
+            watchdog.enter("val", step)
             val = self.val.run(wrapped, info, autocast)
             out.update(val.metrics)
             logger.text(f"step {step}: {val.line}")
             if out["val_loss"] < self.best.get("best_val_loss", math.inf):
                 self.best.update(best_val_loss=out["val_loss"], best_val_step=step)
         if due.hellaswag:
+            watchdog.enter("hellaswag", step)
             scored = self.hellaswag.run(wrapped, info, autocast)
             out.update(scored.metrics)
             logger.text(f"step {step}: {scored.line}")
         if due.sample:
+            watchdog.enter("sample", step)
             logger.text(
                 f"step {step}: sample: {self.e.sample_prompt}{self._sample(wrapped, info, autocast)}"
             )  # noqa: E501

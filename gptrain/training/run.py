@@ -88,8 +88,9 @@ class Run:
             step=s.step + 1,
         )
 
-    def evaluate(self, step: int, due) -> dict:
-        return self.evaluator.run(step, due, self.wrapped, self.info, self.autocast, self.logger)
+    def evaluate(self, step: int, due, watchdog) -> dict:
+        e, args = self.evaluator, (self.wrapped, self.info, self.autocast, self.logger, watchdog)
+        return e.run(step, due, *args)
 
     def close(self) -> None:
         if self.meter.bar:
@@ -243,7 +244,7 @@ def _start_logging(run: Run, cfg: Config, warnings: list[str], peak_cached: bool
             run.evaluator.best.update(best_val(cfg.run.dir, run.evaluator.best))
         # written whole or not at all: users resume with --config RUN/config.toml
         atomic_write_bytes(Path(cfg.run.dir) / "config.toml", to_toml(cfg).encode())
-        if cfg.log.progress:
+        if cfg.log.progress and sys.stderr.isatty():  # batch logs get plain step lines
             bar = tqdm(
                 total=t.max_steps,
                 initial=state.step,
