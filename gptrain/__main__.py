@@ -9,6 +9,7 @@ gptrain plot --run runs/debug
 gptrain export --run runs/debug --out exports/debug   # a Hugging Face GPT-2 folder
 gptrain eval --run runs/debug --tasks val,hellaswag   # or --hf DIR: any GPT-2 folder
 gptrain tokenizer train --input a.txt --vocab-size 4096 --out tok.json
+gptrain race --config a.toml --config b.toml --seeds 5   # configs x seeds, with statistics
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ COMMANDS = {
     "export": "gptrain.commands.export",
     "eval": "gptrain.commands.eval",
     "tokenizer": "gptrain.commands.tokenizer",
+    "race": "gptrain.commands.race",
 }
 
 

@@ -1,0 +1,174 @@
+"""How a race is shown: the markdown table `gptrain race` prints (one row per config, then a
+legend naming the target and the methods) and race.png (val loss against tokens and against
+training seconds: each run a thin line, each config's mean a thick one). Both read the dict that
+gptrain/logs/race.py's `analyse` returns, which is race.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gptrain.logs.race import METHODS, mean_curve
+
+SI_PREFIXES = (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+
+
+def _si(x: float | None, unit: str = "") -> str:
+    """1234567 -> 1.23M (three significant digits)."""
+    if x is None:
+        return "—"
+    for prefix, scale in SI_PREFIXES:
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{prefix}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def _p(p: float | None) -> str:
+    return "" if p is None else f" p={p:.2g}"
+
+
+def _stats(s: dict | None, fmt) -> str:
+    if s is None:
+        return "—"
+    return fmt(s["mean"]) if s["sd"] is None else f"{fmt(s['mean'])} ± {fmt(s['sd'])}"
+
+
+def _interval(ci: list | None, fmt) -> str:
+    if ci is None:
+        return ""
+    lo, hi = ci
+    return f" [{fmt(lo)}, {'open' if hi is None else fmt(hi)}]"
+
+
+def _reach_cell(t: dict, fmt) -> str:
+    if t["reached"] == t["of"]:
+        return _stats(t["stats"], fmt)
+    curve = "not reached" if t["mean_curve"] is None else f"mean curve {fmt(t['mean_curve'])}"
+    return f"{curve} ({t['reached']}/{t['of']} reached)"
+
+
+def _ratio_cell(t: dict, is_base: bool) -> str:
+    if is_base:
+        return "1×"
+    v = t.get("vs_baseline")
+    if v is None:
+        return "—"
+
+    def fmt(x):
+        return f"{x:.3g}"
+
+    note = " (censored: mean curves)" if v.get("censored") else ""
+    return f"{fmt(v['ratio'])}×{_interval(v['ci'], fmt)}{_p(v['p'])}{note}"
+
+
+def _multiplier_cell(m: dict, is_base: bool) -> str:
+    if is_base:
+        return "1×"
+
+    def fmt(x):
+        return f"{x:.3g}"
+
+    if m["lower_bound"]:
+        return f"> {fmt(m['value'])}×{_p(m['p'])}"
+    return f"{fmt(m['value'])}×{_interval(m['ci'], fmt)}{_p(m['p'])}"
+
+
+def markdown_table(race: dict) -> str:
+    """One row per config, then a legend naming the target and the methods."""
+    target, base = race["target"], race["baseline"]
+    hellaswag = any("hellaswag_acc_norm" in c for c in race["configs"])
+    head = [
+        "config",
+        "runs",
+        "val loss",
+        "Δ vs baseline",
+        "bits/byte",
+        f"tokens to {target:.4g}",
+        "× baseline",
+        f"seconds to {target:.4g}",
+        "× baseline",
+        f"FLOPs to {target:.4g}",
+        "compute multiplier",
+    ]
+    head += ["HellaSwag"] if hellaswag else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in race["configs"]:
+        is_base = c["label"] == base
+        runs = f"{c['runs']}" + (f" ({c['failed']} failed)" if c.get("failed") else "")
+        if not c["runs"]:
+            lines.append(f"| {c['label']} | {runs} |" + " — |" * (len(head) - 2))
+            continue
+        d = c.get("val_loss_vs_baseline")
+        delta = (
+            "—"
+            if d is None
+            else f"{d['diff']:+.4f}{_interval(d['ci'], lambda x: f'{x:+.4f}')}{_p(d['p'])}"
+        )
+        row = [
+            c["label"],
+            runs,
+            _stats(c["val_loss"], lambda x: f"{x:.4f}"),
+            delta,
+            _stats(c["val_bpb"], lambda x: f"{x:.4f}"),
+            _reach_cell(c["tokens_to_target"], _si),
+            _ratio_cell(c["tokens_to_target"], is_base),
+            _reach_cell(c["seconds_to_target"], lambda x: f"{x:.3g} s"),
+            _ratio_cell(c["seconds_to_target"], is_base),
+            _reach_cell(c["flops_to_target"], _si),
+            _multiplier_cell(c["compute_multiplier"], is_base),
+        ]
+        if hellaswag:
+            row.append(_stats(c.get("hellaswag_acc_norm"), lambda x: f"{x:.4f}"))
+        lines.append("| " + " | ".join(row) + " |")
+    level = f"{race['level']:.0%}"
+    lines += [
+        "",
+        f"Target: val loss {target:.4f} ({race['target_from']}); baseline: {base}. Mean ± sd over seeds; intervals are {level}.",
+        f"p: {METHODS['p']}. × baseline: ratio of means, {METHODS['ratio_ci']}; shown from the mean curves without an interval when a run did not reach the target (censored).",
+        f"Compute multiplier: {METHODS['compute_multiplier']}. Seconds: {METHODS['seconds']}.",
+    ]
+    return "\n".join(lines)
+
+
+def plot_race(race: dict, path: str | Path) -> Path:
+    """race.png: val loss against tokens and against training seconds; each run a thin line,
+    each config's mean a thick one, the target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, c in enumerate(race["configs"]):
+        color = colors[i % len(colors)]
+        runs = [r for r in race["runs"] if r["config"] == c["label"] and r["status"] == "done"]
+        for ax, axis in zip(axes, ("tokens", "seconds"), strict=True):
+            for r in runs:
+                ax.plot(r["curve"][axis], r["curve"]["val_loss"], color=color, lw=0.8, alpha=0.35)
+            if runs:
+                ax.plot(
+                    *mean_curve([r["curve"] for r in runs], axis),
+                    color=color,
+                    lw=2.5,
+                    label=f"{c['label']} (mean of {len(runs)})",
+                )
+    for ax, xlabel in zip(axes, ("tokens", "training seconds"), strict=True):
+        ax.axhline(
+            race["target"], color="gray", ls="--", lw=1, label=f"target {race['target']:.4g}"
+        )
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("val loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    later = [y for r in race["runs"] if r["status"] == "done" for y in r["curve"]["val_loss"][1:]]
+    if later:  # the untrained model's loss (step 0) would squeeze the rest of the curves
+        for ax in axes:
+            ax.set_ylim(top=max(later) + 0.05 * (max(later) - min(later) + 1e-9))
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

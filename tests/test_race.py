@@ -1,0 +1,318 @@
+"""`gptrain race`: the statistics against closed forms, mpmath and SciPy; the curves, crossings
+and compute multiplier on synthetic runs; a 2-config x 2-seed race of the debug model (race.json,
+the table, race.png); a stopped race continuing with the runs it lacks; bad input."""
+
+import json
+import math
+import random
+
+import pytest
+
+from gptrain.__main__ import main as cli
+from gptrain.commands import race as race_cmd
+from gptrain.logs.race import analyse, compute_multiplier, curve_from_metrics, first_crossing
+from gptrain.logs.race_report import markdown_table
+from gptrain.logs.stats import (
+    betainc,
+    ratio_ci,
+    student_t_cdf,
+    student_t_ppf,
+    welch,
+)
+from gptrain.training import attempts
+from tests.train_helpers import DEBUG
+
+# ---------------------------------------------------------------- statistics
+
+
+@pytest.mark.parametrize("t", [-50.0, -3.0, -0.7, 0.0, 0.25, 1.96, 12.0])
+def test_student_t_cdf_equals_the_closed_forms(t):
+    """df = 1 is the Cauchy distribution, df = 2 has F(t) = 1/2 + t / (2 sqrt(2 + t^2))."""
+    assert student_t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, rel=1e-13, abs=1e-16)
+    want = 0.5 + t / (2 * math.sqrt(2 + t * t))
+    assert student_t_cdf(t, 2) == pytest.approx(want, rel=1e-13, abs=1e-16)
+    assert student_t_cdf(t, 1e9) == pytest.approx(0.5 * math.erfc(-t / math.sqrt(2)), rel=1e-9)
+
+
+def test_student_t_quantiles_equal_the_closed_forms_and_the_tables():
+    assert student_t_ppf(0.975, 1) == pytest.approx(math.tan(0.475 * math.pi), rel=1e-13)
+    a = 2 * 0.995 - 1  # df = 2: t = a sqrt(2 / (1 - a^2)) with a = 2q - 1
+    assert student_t_ppf(0.995, 2) == pytest.approx(a * math.sqrt(2 / (1 - a * a)), rel=1e-13)
+    assert student_t_ppf(0.975, 10) == pytest.approx(2.228138851986274, rel=1e-13)  # table: 2.228
+    assert student_t_ppf(0.025, 10) == pytest.approx(-2.228138851986274, rel=1e-13)
+
+
+def test_welch_on_hand_checked_examples():
+    """b without spread: se^2 = var(a) / n_a and df = n_a - 1 exactly, so the p-values are the
+    closed forms above. [1, 2, 3] vs [5, 5, 5]: t = -3 / sqrt(1/3), df = 2, p = 1 - sqrt(27/29).
+    [0, 2] vs [4, 4, 4]: t = -3, df = 1, p = 1 - 2 atan(3) / pi."""
+    w = welch([1, 2, 3], [5, 5, 5])
+    assert (w.diff, w.df) == (-3.0, pytest.approx(2.0, rel=1e-15))
+    assert w.t == pytest.approx(-3 * math.sqrt(3), rel=1e-15)
+    assert w.p == pytest.approx(1 - math.sqrt(27 / 29), rel=1e-13)
+    w = welch([0, 2], [4, 4, 4])
+    assert (w.t, w.df) == (pytest.approx(-3.0), pytest.approx(1.0))
+    assert w.p == pytest.approx(1 - 2 * math.atan(3) / math.pi, rel=1e-13)
+    lo, hi = w.ci(0.95)  # diff -3, se 1, df 1: -3 +- tan(0.475 pi)
+    assert (lo, hi) == (
+        pytest.approx(-3 - 12.706204736174707),
+        pytest.approx(-3 + 12.706204736174707),
+    )
+    assert welch([2, 2], [2, 2]).p == 1.0 and welch([2, 2], [3, 3]).p == 0.0
+
+
+def test_incomplete_beta_equals_mpmath_at_high_precision():
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 40
+    for a, b, x in [
+        (0.5, 0.5, 0.3),
+        (5, 0.5, 0.99),
+        (2.7, 3.1, 0.4),
+        (0.5, 3, 1e-5),
+        (40, 0.5, 0.2),
+        (3.5, 0.5, 0.9999),
+    ]:
+        want = float(mpmath.betainc(a, b, 0, x, regularized=True))
+        assert betainc(a, b, x) == pytest.approx(want, rel=1e-13), (a, b, x)
+
+
+def samples(seed: int):
+    rng = random.Random(seed)
+    a = [rng.gauss(3.0, rng.uniform(0.01, 1)) for _ in range(rng.randint(2, 9))]
+    b = [rng.gauss(3.2, rng.uniform(0.01, 1)) for _ in range(rng.randint(2, 9))]
+    return a, b
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_welch_equals_scipy(seed):
+    stats = pytest.importorskip("scipy.stats")
+    a, b = samples(seed)
+    got, want = welch(a, b), stats.ttest_ind(a, b, equal_var=False)
+    assert got.t == pytest.approx(want.statistic, rel=1e-12)
+    assert got.df == pytest.approx(want.df, rel=1e-12)
+    assert got.p == pytest.approx(want.pvalue, rel=1e-10)
+    assert got.ci(0.95) == pytest.approx(tuple(want.confidence_interval(0.95)), rel=1e-10)
+    assert student_t_ppf(0.9, got.df) == pytest.approx(stats.t.ppf(0.9, got.df), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_ratio_interval_is_where_welch_stops_rejecting(seed):
+    """At each bound r, |mean(a) - r mean(b)| / sqrt(va + r^2 vb) equals the t quantile at that
+    r's degrees of freedom; the interval excludes 1 exactly when Welch's test rejects."""
+    rng = random.Random(seed)
+    b = [rng.gauss(1000, 40) for _ in range(rng.randint(2, 6))]
+    a = [rng.gauss(1000 * rng.uniform(0.8, 1.1), 60) for _ in range(rng.randint(2, 6))]
+    r = ratio_ci(a, b)
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    va = sum((x - ma) ** 2 for x in a) / (len(a) - 1) / len(a)
+    vb = sum((x - mb) ** 2 for x in b) / (len(b) - 1) / len(b)
+    assert r.value == pytest.approx(ma / mb) and r.lo < r.value < (r.hi or math.inf)
+    for bound in (b for b in (r.lo, r.hi) if b):  # 0 and None: the interval reaches 0, or is open
+        var = va + bound**2 * vb
+        df = var**2 / (va**2 / (len(a) - 1) + (bound**2 * vb) ** 2 / (len(b) - 1))
+        t = abs(ma - bound * mb) / math.sqrt(var)
+        assert t == pytest.approx(student_t_ppf(0.975, df), rel=1e-9)
+    assert (r.lo <= 1 <= (r.hi or math.inf)) == (welch(a, b).p >= 0.05)
+
+
+# ---------------------------------------------------------------- curves and the multiplier
+
+
+def loss_at(tokens: float) -> float:
+    return 2.0 + 3.0 * 1000 / (1000 + tokens)
+
+
+def synthetic_run(config: str, seed: int, offset: float, end: int, fpt: float = 1e6) -> dict:
+    tokens = list(range(0, end + 1, 100))
+    losses = [loss_at(t) + offset for t in tokens]
+    curve = {"tokens": tokens, "seconds": [t / 1e4 for t in tokens], "val_loss": losses}
+    curve["val_bpb"] = [x / math.log(2) for x in losses]
+    return {
+        "config": config,
+        "seed": seed,
+        "status": "done",
+        "curve": curve,
+        "val_loss": losses[-1],
+        "val_bpb": curve["val_bpb"][-1],
+        "tokens": end,
+        "train_s": end / 1e4,
+        "flops_per_token": fpt,
+    }
+
+
+def test_crossings_interpolate_between_evaluations_and_censor():
+    assert first_crossing([0, 100, 200], [5.0, 4.0, 3.0], 3.5) == 150
+    assert first_crossing([0, 100, 200], [5.0, 4.0, 3.0], 2.9) is None
+    rows = [
+        {"step": 0, "tokens": 0, "val_loss": 5.0},
+        {"step": 2, "tokens": 200, "tok_per_s": 100.0},
+    ]
+    rows.append({"step": 4, "tokens": 400, "tok_per_s": 50.0, "val_loss": 4.0, "val_bpb": 5.7})
+    c = curve_from_metrics(rows)
+    assert c["tokens"] == [0, 400] and c["seconds"] == [0.0, 6.0] and c["val_loss"] == [5.0, 4.0]
+
+
+def test_compute_multiplier_of_a_config_that_reaches_the_baselines_loss_in_two_thirds_the_tokens():
+    """The baseline's seeds follow loss_at(T) +- 0.002; the candidate's end at 2000 tokens at
+    loss_at(3000): the multiplier is 1.5, its interval holds 1.5 and not 1, p is small."""
+    base = [synthetic_run("base", s, off, 6000) for s, off in enumerate([-0.002, 0.0, 0.002])]
+    cand = [synthetic_run("cand", s, 0.0, 2000) for s in range(3)]
+    for r, off in zip(cand, [-0.002, 0.001, 0.001], strict=True):
+        r["val_loss"] = loss_at(3000) + off
+    m = compute_multiplier(base, cand)
+    assert m["value"] == pytest.approx(1.5, rel=1e-3) and not m["lower_bound"]
+    assert m["ci"][0] < 1.5 < m["ci"][1] and m["ci"][0] > 1.3 and m["p"] < 1e-4
+    better = [dict(r, val_loss=1.9) for r in cand]  # below anything the baseline reaches
+    m = compute_multiplier(base, better)
+    assert m["lower_bound"] and m["value"] == pytest.approx(3.0) and m["ci"] == [3.0, None]
+
+
+def test_analysis_reports_a_run_that_misses_the_target_as_censored():
+    base = [synthetic_run("base", s, off, 3000) for s, off in enumerate([-0.01, 0.01])]
+    cand = [synthetic_run("cand", s, off, 3000, fpt=2e6) for s, off in enumerate([-0.3, -0.31])]
+    race = analyse(base + cand, ["base", "cand"], "baseline")
+    assert race["target"] == pytest.approx(loss_at(3000))
+    assert base[0]["to_target"] is not None and base[1]["to_target"] is None  # censored
+    t = race["configs"][1]["tokens_to_target"]
+    assert t["reached"] == 2 and t["vs_baseline"]["censored"] and t["vs_baseline"]["ci"] is None
+    flops = race["configs"][1]["flops_to_target"]["stats"]["mean"]
+    assert flops == pytest.approx(2e6 * t["stats"]["mean"])
+    table = markdown_table(race)
+    assert "(1/2 reached)" in table and table.count("\n| ") == 2  # after the header: 2 rows
+    race = analyse(base + cand, ["base", "cand"], 4.0)  # every run reaches 4.0
+    v = race["configs"][1]["tokens_to_target"]["vs_baseline"]
+    assert v["ci"][0] < v["ratio"] < v["ci"][1] and v["p"] < 0.05
+
+
+# ---------------------------------------------------------------- races of the debug model
+
+FAST = [
+    "--log.progress=false",
+    "--train.max_steps=8",
+    "--eval.every=4",
+    "--eval.tokens=1024",
+    "--eval.sample_every=0",
+    "--checkpoint.every=4",
+    "--log.every=2",
+    "--optim.warmup_steps=2",
+]
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    """The debug config, and a copy with a higher learning rate."""
+    folder = tmp_path_factory.mktemp("configs")
+    text = open(DEBUG).read()
+    (folder / "debug.toml").write_text(text)
+    (folder / "fast.toml").write_text(text.replace("lr = 3e-3", "lr = 1e-2"))
+    return [str(folder / "debug.toml"), str(folder / "fast.toml")]
+
+
+def race_args(configs, out, byte_data, *more):
+    return [
+        "race",
+        "--config",
+        configs[0],
+        "--config",
+        configs[1],
+        "--seeds",
+        "2",
+        "--out",
+        str(out),
+        f"--data.dir={byte_data}",
+        *FAST,
+        *more,
+    ]
+
+
+def test_a_race_of_two_configs_writes_race_json_the_table_and_race_png(
+    configs, byte_data, tmp_path, capsys
+):
+    out = tmp_path / "race"
+    assert cli(race_args(configs, out, byte_data, "--target", "4.7")) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| config | runs | val loss |") and "| fast | 2 |" in table
+    race = json.loads((out / "race.json").read_text())
+    assert race["target"] == 4.7 and race["baseline"] == "debug" and race["seeds"] == 2
+    assert [(r["config"], r["seed"], r["status"]) for r in race["runs"]] == [
+        ("debug", 1, "done"),
+        ("debug", 2, "done"),
+        ("fast", 1, "done"),
+        ("fast", 2, "done"),
+    ]
+    first, second = race["runs"][:2]
+    assert first["val_loss"] != second["val_loss"]  # the seed changes the run
+    assert first["tokens"] == 8 * 1024 and first["curve"]["tokens"] == [0, 4096, 8192]
+    assert first["flops_per_token"] > 0 and first["train_s"] > 0
+    fast = race["configs"][1]
+    assert fast["val_loss_vs_baseline"]["p"] is not None and "compute_multiplier" in fast
+    assert (out / "race.png").read_bytes()[:4] == b"\x89PNG"
+    for run in race["runs"]:  # ordinary run directories
+        assert (out / run["config"] / f"seed_{run['seed']}" / "summary.json").is_file()
+    # the folder now holds this race: other configs there are refused, nothing run
+    assert cli(race_args(configs, out, byte_data, "--optim.lr=1e-3")) == 2
+    assert "holds a race of other configs" in capsys.readouterr().err
+
+
+def test_a_stopped_race_continues_with_the_runs_it_lacks(configs, byte_data, tmp_path, monkeypatch):
+    """Ctrl-C at step 6 of the third run (its checkpoint at step 4 saved): the same command
+    then says runs 1-2 are already trained, resumes run 3 at step 4 and trains run 4."""
+    from gptrain.training.meter import Meter
+
+    out, started, report = tmp_path / "race", [], Meter.report
+
+    def train_counting(argv):
+        started.append(argv)
+        return in_process(argv)
+
+    def report_or_stop(self, step, m):
+        if len(started) == 3 and step == 6:
+            raise KeyboardInterrupt
+        report(self, step, m)
+
+    in_process = race_cmd._train_in_process
+    monkeypatch.setattr(race_cmd, "_train_in_process", train_counting)
+    monkeypatch.setattr(Meter, "report", report_or_stop)
+    assert cli(race_args(configs, out, byte_data)) == 130
+    assert len(started) == 3 and not (out / "race.json").exists()
+    monkeypatch.undo()
+    assert cli(race_args(configs, out, byte_data)) == 0
+    starts = {
+        d: [a["start"]["start_step"] for a in attempts.read(out / d)]
+        for d in ("debug/seed_1", "debug/seed_2", "fast/seed_1", "fast/seed_2")
+    }
+    assert starts == {
+        "debug/seed_1": [0, 8],
+        "debug/seed_2": [0, 8],
+        "fast/seed_1": [0, 4],
+        "fast/seed_2": [0],
+    }
+    race = json.loads((out / "race.json").read_text())
+    assert all(r["status"] == "done" and r["curve"]["tokens"][-1] == 8192 for r in race["runs"])
+    assert race["target"] == pytest.approx(sum(r["val_loss"] for r in race["runs"][:2]) / 2)
+
+
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("target", "--target 'low' is neither a val loss nor 'baseline'"),
+        ("seeds", "use --seeds 2 or more"),
+        ("data", "their losses cannot be compared"),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_is_written(
+    configs, byte_data, tmp_path, capsys, case, says
+):
+    out = tmp_path / "race"
+    if case == "data":  # the baseline on the built-in corpus, the other config on a folder
+        other = tmp_path / "other.toml"
+        other.write_text(
+            open(configs[1]).read().replace('dir = "shakespeare"', f'dir = "{byte_data}"')
+        )
+        argv = ["race", "--config", configs[0], "--config", str(other), "--out", str(out), *FAST]
+    else:
+        more = {"target": ["--target", "low"], "seeds": ["--seeds", "1"]}[case]
+        argv = race_args(configs, out, byte_data, *more)
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and not out.exists()
