@@ -5,7 +5,10 @@ the table, race.png); a stopped race continuing with the runs it lacks; bad inpu
 import json
 import math
 import random
+import subprocess
+from types import SimpleNamespace
 
+import forked
 import pytest
 
 from gptrain.__main__ import main as cli
@@ -290,6 +293,33 @@ def test_a_stopped_race_continues_with_the_runs_it_lacks(configs, byte_data, tmp
     race = json.loads((out / "race.json").read_text())
     assert all(r["status"] == "done" and r["curve"]["tokens"][-1] == 8192 for r in race["runs"])
     assert race["target"] == pytest.approx(sum(r["val_loss"] for r in race["runs"][:2]) / 2)
+
+
+def test_with_several_gpus_the_runs_go_one_per_gpu_as_subprocesses(
+    configs, byte_data, tmp_path, monkeypatch
+):
+    """Two slots (CUDA_VISIBLE_DEVICES="" each: on this CPU): both seeds train at once as
+    `python -m gptrain train` processes, each with its own log."""
+    monkeypatch.setattr(race_cmd, "gpu_slots", lambda cfgs: ["", ""])
+    monkeypatch.setattr(
+        race_cmd, "subprocess", SimpleNamespace(Popen=forked.Popen, STDOUT=subprocess.STDOUT)
+    )
+    out = tmp_path / "race"
+    argv = [
+        "race",
+        "--config",
+        configs[0],
+        "--seeds",
+        "2",
+        "--out",
+        str(out),
+        f"--data.dir={byte_data}",
+        *FAST,
+    ]
+    assert cli(argv) == 0
+    race = json.loads((out / "race.json").read_text())
+    assert [r["status"] for r in race["runs"]] == ["done", "done"]
+    assert "step 8/8" in (out / "logs" / "debug_seed_2.log").read_text()
 
 
 @pytest.mark.parametrize(

@@ -259,32 +259,31 @@ def run_all(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[Job, i
 def _run_parallel(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[Job, int]:
     """One `python -m gptrain train` subprocess per slot at a time; output in OUT/logs/."""
     logs.mkdir(parents=True, exist_ok=True)
-    pending, running, codes = list(jobs), {}, {}
+    pending, running, codes = list(jobs), {}, {}  # running: slot index -> (job, process, log)
     try:
         while pending or running:
-            for slot in [s for s in slots if s not in running]:
-                if pending:
-                    job = pending.pop(0)
-                    env = {**os.environ, "CUDA_VISIBLE_DEVICES": slot}
-                    out = open(logs / f"{job.label}_seed_{job.seed}.log", "a")
-                    cmd = [sys.executable, "-m", "gptrain", "train", *job.argv]
-                    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-                    running[slot] = (job, proc, out)
-                    print(
-                        f"race: GPU {slot}: {job.label} seed {job.seed} -> {job.run_dir}",
-                        file=sys.stderr,
-                    )
-            for slot, (job, proc, out) in list(running.items()):
+            for i in [i for i in range(len(slots)) if i not in running and pending]:
+                job = pending.pop(0)
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": slots[i]}
+                log = open(logs / f"{job.label}_seed_{job.seed}.log", "a")
+                cmd = [sys.executable, "-m", "gptrain", "train", *job.argv]
+                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+                running[i] = (job, proc, log)
+                print(
+                    f"race: GPU {slots[i]}: {job.label} seed {job.seed} -> {job.run_dir}",
+                    file=sys.stderr,
+                )
+            for i, (job, proc, log) in list(running.items()):
                 if proc.poll() is not None:
-                    out.close()
+                    log.close()
                     codes[job] = proc.returncode
-                    del running[slot]
+                    del running[i]
             time.sleep(0.2)
     finally:
-        for _job, proc, out in running.values():  # stopped: the runs resume next time
+        for _job, proc, log in running.values():  # stopped: these runs resume next time
             proc.terminate()
             proc.wait()
-            out.close()
+            log.close()
     return codes
 
 
