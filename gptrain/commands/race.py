@@ -1,9 +1,9 @@
 """`gptrain race`: configs x seeds, each run an ordinary run directory, compared with statistics.
 
-    gptrain race --config configs/small_llmc.toml --config configs/small.toml --seeds 5 \\
-        --target baseline --out races/small --eval.every=25
+    gptrain race --config configs/default.toml --config configs/race.toml --seeds 5 \\
+        --data.dir=data/tinyshakespeare --eval.tokens=100000 --out races/shakespeare
 
-    --config FILE            a config to race, given twice or more; the first is the baseline
+    --config FILE            a config to race (one flag per config); the first is the baseline
     --seeds N                runs per config, train.seed = 1..N (initialisation and data order);
                              default 5, at least 2 when there is more than one config
     --target VALUE|baseline  the val loss to reach: a number, or baseline (the baseline's mean
@@ -308,6 +308,8 @@ def record(job: Job, code: int, fpt: float) -> dict:
     curve = curve_from_metrics(rows)
     if not curve["tokens"]:
         return {**rec, "status": "no evaluation in metrics.jsonl"}
+    if not math.isfinite(curve["val_loss"][-1]):  # diverged: no loss to compare
+        return {**rec, "status": f"final val loss {curve['val_loss'][-1]}"}
     summary = json.loads(summary_path.read_text())
     g = summary.get("goodput", {})
     hella = [r["hellaswag_acc_norm"] for r in rows if "hellaswag_acc_norm" in r]

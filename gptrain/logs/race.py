@@ -168,7 +168,8 @@ def _to_target(key: str, runs: list[dict], base: list[dict], target: float, is_b
     out |= {"stats": _summary(mine), "mean_curve": crossing(runs)}
     if is_base:
         return out
-    if None not in mine + theirs and len(mine) > 1 and len(theirs) > 1:
+    complete = None not in mine + theirs and min(mine + theirs) > 0  # a ratio of positive means
+    if complete and len(mine) > 1 and len(theirs) > 1:
         r = ratio_ci(mine, theirs, LEVEL)
         out["vs_baseline"] = {"ratio": r.value, "ci": [r.lo, r.hi], "p": welch(mine, theirs).p}
     elif out["mean_curve"] is not None and (b := crossing(base)) is not None:
