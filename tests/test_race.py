@@ -153,6 +153,8 @@ def test_crossings_interpolate_between_evaluations_and_censor():
     rows.append({"step": 4, "tokens": 400, "tok_per_s": 50.0, "val_loss": 4.0, "val_bpb": 5.7})
     c = curve_from_metrics(rows)
     assert c["tokens"] == [0, 400] and c["seconds"] == [0.0, 6.0] and c["val_loss"] == [5.0, 4.0]
+    rows[-1]["train_s"] = 5.5  # the run's own clock, where metrics.jsonl logs it
+    assert curve_from_metrics(rows)["seconds"] == [0.0, 5.5]
 
 
 def test_compute_multiplier_of_a_config_that_reaches_the_baselines_loss_in_two_thirds_the_tokens():

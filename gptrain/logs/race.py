@@ -10,8 +10,9 @@ race.json; this module reads metrics and computes):
 
 The table and race.png: gptrain/logs/race_report.py.
 
-Training seconds are summed from each logged interval's throughput (tokens / tok_per_s), so
-evaluation, samples and checkpoints are excluded, as they are from tok/s. Crossings of the target
+Training seconds are a row's `train_s` where metrics.jsonl has one (the run's clock of its
+optimizer steps), else summed from each logged interval's throughput (tokens / tok_per_s): either
+way evaluation, samples and checkpoints are excluded, as they are from tok/s. Crossings of the target
 are interpolated linearly between evaluations. Statistics: gptrain/logs/stats.py.
 """
 
@@ -26,7 +27,7 @@ METHODS = {
     "p": "Welch's t-test (unequal variances), two-sided",
     "ratio_ci": "Fieller's interval for a ratio of means under Welch's test",
     "compute_multiplier": "tokens the baseline's mean curve needs to reach the config's mean final val loss, over the config's mean tokens; its interval and p-value compare the baseline's seeds' losses at m x the config's tokens with the config's final losses (Welch), p at m = 1",
-    "seconds": "training seconds from the logged throughput (evaluation and checkpoints excluded)",
+    "seconds": "training seconds, the run's train_s or from the logged throughput (evaluation and checkpoints excluded)",
 }
 
 
@@ -38,7 +39,9 @@ def curve_from_metrics(rows: list[dict]) -> dict:
         tokens = row.get("tokens")
         if tokens is None:
             continue
-        if row.get("tok_per_s") and tokens > done:
+        if "train_s" in row:  # the run's own clock of its optimizer steps, where it logs one
+            seconds = row["train_s"]
+        elif row.get("tok_per_s") and tokens > done:
             seconds += (tokens - done) / row["tok_per_s"]
         done = max(done, tokens)
         if "val_loss" in row:
