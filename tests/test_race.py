@@ -1,6 +1,7 @@
 """`gptrain race`: the statistics against closed forms, mpmath and SciPy; the curves, crossings
 and compute multiplier on synthetic runs; a 2-config x 2-seed race of the debug model (race.json,
-the table, race.png); a stopped race continuing with the runs it lacks; bad input."""
+the table, race.png); a stopped race continuing with the runs it lacks; one run per GPU as
+subprocesses (two CPU slots here); bad input."""
 
 import json
 import math
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 
 import forked
 import pytest
+from train_helpers import DEBUG
 
 from gptrain.__main__ import main as cli
 from gptrain.commands import race as race_cmd
@@ -23,7 +25,6 @@ from gptrain.logs.stats import (
     welch,
 )
 from gptrain.training import attempts
-from tests.train_helpers import DEBUG
 
 # ---------------------------------------------------------------- statistics
 
