@@ -27,6 +27,7 @@ import shutil
 import tomllib
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -176,8 +177,18 @@ def test_premove_checkpoint_resumes_bit_for_bit(byte_data, tmp_path):
         assert_same_training(final, whole)
 
 
+def fixture_optimizer_is_newer_than_this_torch() -> bool:
+    """The fixture's AdamW param groups hold an option this torch's AdamW does not know (torch
+    before 2.7 fails to load them: they were written by a newer torch)."""
+    _, state = read(FIXTURE / "checkpoints" / STEP6)
+    known = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).param_groups[0]
+    return bool(set(state["optimizer"]["param_groups"][0]) - set(known) - {"params"})
+
+
 def test_the_premove_fixture_resumes(byte_data, tmp_path):
     """The real flat-layout files load today and train on from step 6 to step 12."""
+    if fixture_optimizer_is_newer_than_this_torch():
+        pytest.skip(f"the fixture's optimizer state was written by a newer torch than {torch.__version__}")  # fmt: skip
     run_dir = tmp_path / "run"
     shutil.copytree(FIXTURE, run_dir)
     before = load_file(str(run_dir / "checkpoints" / STEP6 / "model.safetensors"))
