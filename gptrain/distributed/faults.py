@@ -4,19 +4,23 @@
     GPTRAIN_FAULT=crash@51/1          rank 1 exits 1 inside step 51 (no clean-up, like a segfault)
     GPTRAIN_FAULT=spike@60            step 60's loss and gradients x 20 (a finite loss spike)
     GPTRAIN_FAULT=stall_save@100/0    rank 0's checkpoint write of step 100 blocks forever
+    GPTRAIN_FAULT=publish_error@8/0   rank 0's publish of step 8's checkpoint fails (ENOSPC)
+    GPTRAIN_FAULT=eval_error@20       the evaluation at step 20 raises
 
 STEP is the optimizer step being trained (1 is the first); without /RANK a fault fires on every
 rank. A fault fires the first time its step is trained in a process (a `spike` rolled back past
 does not come back), and again in a new process that trains that step (a run resumed from before
-it). Unset or empty, nothing here costs anything: `in_step` returns one shared null
-context and `stall_save` returns at once. An unknown kind or a malformed entry is one line
-(UserError, exit 2) before anything starts. `install` is called once per process by
-`gptrain train`; the loop and the checkpoint entry point ask this module at their spots.
+it). Unset or empty, nothing here costs anything: `in_step` returns one shared null context and
+`stall_save`, `publish_error` and `eval_error` return at once. An unknown kind or a malformed
+entry is one line (UserError, exit 2) before anything starts. `install` is called once per
+process by `gptrain train`; the loop, the evaluator and the checkpoint code ask this module at
+their spots.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 import time
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from gptrain.errors import UserError
 
 ENV = "GPTRAIN_FAULT"
-KINDS = ("hang", "crash", "spike", "stall_save")
+KINDS = ("hang", "crash", "spike", "stall_save", "publish_error", "eval_error")
 SPIKE_FACTOR = 20.0
 _NULL = contextlib.nullcontext()
 
@@ -113,3 +117,21 @@ def stall_save(step: int) -> None:
         _announce(f"stall_save at step {step}: the checkpoint write blocks forever")
         while True:
             time.sleep(3600)
+
+
+def publish_error(step: int, path) -> None:
+    """Called where this rank's part of publishing checkpoint `step` writes `path` (rank 0: the
+    `latest` pointer, after the folder's rename; under FSDP2 every other rank: before hashing its
+    shards): `publish_error` raises OSError ENOSPC there, once per process (a full disk)."""
+    if fires("publish_error", step):
+        del _active[("publish_error", step)]
+        _announce(f"publish_error at step {step}: {path} fails with ENOSPC")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def eval_error(step: int) -> None:
+    """Called at the start of the evaluation at `step`: `eval_error` raises a RuntimeError there,
+    once per process (an evaluation that runs out of memory)."""
+    if fires("eval_error", step):
+        del _active[("eval_error", step)]
+        raise RuntimeError(f"fault injection ({ENV}): eval error at step {step}")

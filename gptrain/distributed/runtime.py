@@ -5,10 +5,13 @@ starts one process per device and sets RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WO
 `DistInfo.from_env()` reads them once; everything else receives the frozen DistInfo. A plain
 `python -m gptrain train` is world size 1 and takes the same code path (collectives become no-ops).
 
-Failures never hang: every collective has dist.timeout_s. A rendezvous that cannot be reached is a
-UserError naming the address. A collective that fails (a peer died, or is stuck past the time-out)
-becomes a `DistFailure` naming this rank, the operation, and the peers that no longer answer on
-the rendezvous store (gptrain/distributed/failures.py).
+Failures never hang: every collective has dist.timeout_s, except those where ranks wait for one
+rank's I/O (checkpoints, resume, downloads: `on_main`, `from_main`, `local_main_first`), which
+run on the I/O group (`io_group`) within IO_TIMEOUT_S, and end at once on every rank when that I/O
+fails. A rendezvous that cannot be reached is a UserError naming the address. A collective that
+fails (a peer died, or is stuck past the time-out) becomes a `DistFailure` naming this rank, the
+operation, and the peers that no longer answer on the rendezvous store
+(gptrain/distributed/failures.py).
 """
 
 from __future__ import annotations
@@ -160,15 +163,18 @@ def teardown(wait_for_peers: bool = True, timeout_s: float = 60.0) -> None:
     failures.leave(rank, world, wait_for_peers, timeout_s)
 
 
-IO_TIMEOUT_S = 3 * 3600  # collectives around a checkpoint save or load (a slow filesystem)
+# the I/O budget: how long ranks wait for one rank's I/O (a checkpoint's write and hash on a slow
+# filesystem, a mirror download); a failure of that I/O ends the wait at once
+IO_TIMEOUT_S = 3 * 3600
 _io_group = None
 
 
 def io_group():
-    """A gloo process group for the collectives around checkpoint saves and loads, with its own
-    generous time-out (IO_TIMEOUT_S): writing 19 GB of shards to a slow filesystem must not trip
-    dist.timeout_s. Collective on first use (every rank saves/loads at the same step); None when
-    no process group is running. Gloo carries only small objects (file hashes, DCP plans)."""
+    """A gloo process group for the collectives where ranks wait for I/O (checkpoint saves and
+    loads, on_main), with its own generous time-out (IO_TIMEOUT_S): writing 19 GB of shards to a
+    slow filesystem must not trip dist.timeout_s. Collective on first use (every rank reaches the
+    same on_main or checkpoint step); None when no process group is running. Gloo carries only
+    small objects (file hashes, DCP plans, error lines)."""
     global _io_group
     if _io_group is None and active():
         timeout = datetime.timedelta(seconds=IO_TIMEOUT_S)
@@ -210,19 +216,24 @@ def barrier() -> None:
 
 def local_main_first(info: DistInfo, fn):
     """Run fn on each node's local rank 0 first (e.g. a download into the machine's cache), then
-    on the other ranks; an error on any rank is raised on every rank instead of a hang."""
+    on the other ranks; an error on any rank is raised on every rank instead of a hang (the
+    others wait on the I/O group, see on_main)."""
     result = None
     for turn in (True, False):
-        error = ""
+        error = None
         if (info.local_rank == 0) == turn:
-            result, error = _attempt(fn)
+            result, error = _attempt(fn, info.rank)
         raise_on_every_rank(error)
     return result
 
 
 def on_main(info: DistInfo, fn, default=None):
-    """fn() on the main process only (default elsewhere); its UserError reaches every rank."""
-    result, error = _attempt(fn) if info.is_main else (default, "")
+    """fn() on the main process only (default elsewhere). The other ranks wait on the I/O group,
+    within IO_TIMEOUT_S (main-process I/O: a checkpoint's write and hash, resume verification, a
+    mirror download, a restore's read), never dist.timeout_s. What fn raises reaches every rank at
+    once: a UserError as a UserError, an OSError or IOFailure as an IOFailure (one line naming the
+    rank, the path and the error); any other exception is re-raised where it happened."""
+    result, error = _attempt(fn, info.rank) if info.is_main else (default, None)
     raise_on_every_rank(error)
     return result
 
@@ -234,29 +245,58 @@ def from_main(info: DistInfo, fn):
 
 
 def broadcast_from_main(obj):
-    """The main process's `obj` on every rank (identity for world size 1)."""
+    """The main process's `obj` on every rank (identity for world size 1), over the I/O group."""
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=io_group())
     return box[0]
 
 
-def _attempt(fn) -> tuple:
-    """(fn(), "") or (None, the UserError's message)."""
+class IOFailure(RuntimeError):
+    """I/O that one rank did failed (a checkpoint's write or publish, a restore's read): every
+    rank raises it with the same line, naming the rank, the path and the OS error (exit 1)."""
+
+
+def _attempt(fn, rank: int) -> tuple:
+    """(fn(), None), or (None, (kind, message, exception)) with kind "user" (a UserError), "io"
+    (an IOFailure or OSError) or "bug" (anything else, re-raised where it happened)."""
     try:
-        return fn(), ""
+        return fn(), None
     except UserError as e:
-        return None, str(e)
+        return None, ("user", str(e), e)
+    except IOFailure as e:
+        return None, ("io", str(e), e)
+    except OSError as e:
+        return None, ("io", f"rank {rank}: {type(e).__name__}: {first_line(e)}", e)
+    except Exception as e:  # noqa: BLE001 the peers stop too; this rank keeps its traceback
+        why = f"{type(e).__name__}: {first_line(e)}"
+        return None, ("bug", f"rank {rank} failed ({why}; its traceback is in its stderr)", e)
 
 
-def raise_on_every_rank(error: str) -> None:
-    """Collective: when any rank has an error message, every rank raises a UserError."""
-    failed = torch.tensor([1.0 if error else 0.0])
+def raise_on_every_rank(error: tuple | None) -> None:
+    """Collective on the I/O group: when any rank has an error (from _attempt), every rank
+    raises. The failing rank raises its own exception (an OSError as an IOFailure); the others a
+    UserError with the first failing rank's message and exit code, else an IOFailure."""
+    errors = [None if error is None else (*error[:2], getattr(error[2], "exit_code", 2))]
     if active():
-        dist.all_reduce(failed)
-    if failed.item():
-        raise UserError(error or "another rank failed (see its message above)")
+        errors = [None] * dist.get_world_size()
+        mine = None if error is None else (*error[:2], getattr(error[2], "exit_code", 2))
+        dist.all_gather_object(errors, mine, group=io_group())
+    first = next((e for e in errors if e is not None), None)
+    if first is None:
+        return
+    if error is not None:
+        kind, message, e = error
+        if isinstance(e, OSError):
+            raise IOFailure(message) from e
+        raise e
+    kind, message, code = first
+    if kind == "user":
+        peer = UserError(message)
+        peer.exit_code = code
+        raise peer
+    raise IOFailure(message)
 
 
 def check_same_config(config_text: str, info: DistInfo) -> None:
