@@ -1,6 +1,8 @@
 """Fault injection (GPTRAIN_FAULT): the spec's grammar and its refusals, inert when unset or meant
 for another rank, `crash` exits 1 inside its step, `spike` multiplies that step's loss and
-gradients by 20. `hang` and `stall_save` are exercised with the watchdog (tests/test_watchdog.py)."""
+gradients by 20, `eval_error` raises once at its step, `publish_error` fails a publish with ENOSPC
+(one process here; 2 ranks, full and sharded: tests/test_publish_error.py). `hang` and
+`stall_save` are exercised with the watchdog (tests/test_watchdog.py)."""
 
 import json
 import sys
@@ -43,6 +45,10 @@ def test_parse():
         faults.Fault("spike", 2, None),
         faults.Fault("stall_save", 10, 0),
     ]
+    assert faults.parse("publish_error@4/1,eval_error@6") == [
+        faults.Fault("publish_error", 4, 1),
+        faults.Fault("eval_error", 6, None),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -54,6 +60,9 @@ def test_parse():
         ("hang@0", "malformed entry 'hang@0'"),
         ("crash@3/a", "malformed entry 'crash@3/a'"),
         ("spike@2,hang@", "malformed entry 'hang@'"),
+        ("publish_error@", "malformed entry 'publish_error@'"),
+        ("eval_error@2/x", "malformed entry 'eval_error@2/x'"),
+        ("publish@2", "unknown fault kind 'publish'"),
     ],
 )
 def test_bad_spec_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, monkeypatch, spec, needle):  # fmt: skip
@@ -72,9 +81,21 @@ def test_inert_when_unset_or_for_another_rank(fault):
     model = torch.nn.Linear(2, 2)
     faults.install(0, {})
     assert faults.in_step(3, model) is faults._NULL and not faults._active
-    fault("spike@3/1,hang@3/1,crash@3/1", rank=0)
+    fault("spike@3/1,hang@3/1,crash@3/1,publish_error@3/1,eval_error@3/1", rank=0)
     assert faults.in_step(3, model) is faults._NULL
     faults.stall_save(3)  # returns at once: stall_save is not set here
+    faults.publish_error(3, "latest")  # these are rank 1's
+    faults.eval_error(3)
+
+
+def test_eval_error_raises_once_at_its_step(fault):
+    fault("eval_error@6")
+    faults.eval_error(5)
+    with pytest.raises(
+        RuntimeError, match=r"^fault injection \(GPTRAIN_FAULT\): eval error at step 6$"
+    ):
+        faults.eval_error(6)
+    faults.eval_error(6)  # once per process
 
 
 def test_spike_multiplies_that_steps_loss_and_gradients(byte_data, tmp_path, fault):
@@ -101,3 +122,39 @@ def test_crash_exits_1_inside_its_step(byte_data, tmp_path):
     assert "fault injection (GPTRAIN_FAULT): crash at step 4: exit 1" in p.stderr
     assert checkpoint.latest(run_dir).name == "step_00000002"  # step 3 trained, 4 never finished
     assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
+
+
+def cli_train(byte_data, run_dir, *overrides):
+    args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
+    return cli([*args, "--log.progress=false", *(f"--{o}" for o in overrides)])
+
+
+def test_publish_error_keeps_the_previous_checkpoint_and_the_rerun_is_exact(
+    byte_data, tmp_path, fault, capsys, monkeypatch
+):
+    """publish_error@4: the step-4 folder is renamed into place, then writing `latest` fails with
+    ENOSPC: one line naming rank 0, the path and the error, exit 1; the rename is undone, so
+    step_00000002 stays complete and named in `latest`, and no step-4 folder is left. The same
+    command then ends bit for bit where an uninterrupted run ends."""
+    common = ["train.max_steps=6", "checkpoint.every=2", "model.dropout=0.1", *QUICK]
+    run(byte_data, tmp_path / "ref", *common)
+    run_dir = tmp_path / "r"
+    monkeypatch.setenv(faults.ENV, "publish_error@4")  # read by `gptrain train`
+    capsys.readouterr()
+    assert cli_train(byte_data, run_dir, *common) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [x for x in err if x.startswith("gptrain: error:")]
+    root = run_dir / "checkpoints"
+    assert len(lines) == 1 and "Traceback" not in "\n".join(err), err
+    assert lines[0].startswith("gptrain: error: rank 0: cannot publish checkpoint step_00000004")
+    assert f"No space left on device: '{root / '.latest.tmp'}'" in lines[0], lines[0]
+    assert "the previous checkpoint step_00000002 is intact and `latest` names it" in lines[0]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "timeline.json"]
+    assert checkpoint.latest(run_dir).name == "step_00000002"
+    assert checkpoint.problem(root / "step_00000002") is None
+    monkeypatch.delenv(faults.ENV)
+    assert cli_train(byte_data, run_dir, *common) == 0
+    a = checkpoint.load_model_state(checkpoint.find(tmp_path / "ref"))[0]
+    b = checkpoint.load_model_state(checkpoint.find(run_dir))[0]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -110,7 +110,10 @@ def test_damaged_newest_is_skipped_and_the_run_equals_an_uninterrupted_one(
 def test_retention_over_a_long_run_with_resumes(byte_data, tmp_path):
     run_dir = tmp_path / "run"
     keep = ["checkpoint.every=2", "checkpoint.keep_last=3", "checkpoint.keep_every=4", *QUICK]
-    names = lambda: sorted(p.name for p in (run_dir / "checkpoints").iterdir())  # noqa: E731
+
+    def names():  # the checkpoint folders and `latest`
+        return sorted(p.name for p in (run_dir / "checkpoints").glob("[ls]*"))
+
     run(byte_data, run_dir, "train.max_steps=7", *keep)  # saves 2 4 6 7
     assert names() == ["latest", "step_00000004", "step_00000006", "step_00000007"]
     run(byte_data, run_dir, "train.max_steps=13", *keep)  # 8 10 12 13
@@ -128,8 +131,9 @@ def test_a_save_that_runs_out_of_disk_space_keeps_the_previous_checkpoint(
     byte_data, tmp_path, capsys, monkeypatch, fails
 ):
     """The disk fills while meta.json is written (fsync_write), or while model.safetensors and
-    state.pt are written side by side on two threads (fsync_file): one line, exit 2, the previous
-    checkpoint stays `latest`, and the same command resumes once there is space."""
+    state.pt are written side by side on two threads (fsync_file): one line naming the rank, the
+    folder and the error, exit 1, the previous checkpoint stays `latest`, and the same command
+    resumes once there is space."""
     run_dir = tmp_path / "run"
     write = getattr(ckpt_folder, fails)
 
@@ -140,12 +144,14 @@ def test_a_save_that_runs_out_of_disk_space_keeps_the_previous_checkpoint(
 
     monkeypatch.setattr(ckpt_folder, fails, full_disk)
     args = ("train.max_steps=4", "checkpoint.every=2", "checkpoint.io_threads=2", *QUICK)
-    assert cli_train(byte_data, run_dir, *args) == 2
+    assert cli_train(byte_data, run_dir, *args) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "No space left on device" in err[0] and "step_00000002" in err[0]
+    assert err[0].startswith("gptrain: error: rank 0: cannot write checkpoint step_00000004 in")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "latest",
         "step_00000002",
+        "timeline.json",
     ]
     folder = checkpoint.latest(run_dir)
     assert folder.name == "step_00000002" and retention.problem(folder) is None
@@ -359,7 +365,8 @@ def test_sigterm_to_one_rank_saves_exits_0_and_the_rerun_equals_an_uninterrupted
     h.wait_for_step(cut, procs, 5)
     procs[1].send_signal(signal.SIGTERM)
     ckpts = cut / "checkpoints"
-    while all(p.poll() is None for p in procs) and not (ckpts.is_dir() and any(ckpts.iterdir())):
+    saving = lambda: any(p.name != "timeline.json" for p in ckpts.glob("*"))  # noqa: E731
+    while all(p.poll() is None for p in procs) and not saving():
         time.sleep(0.0005)
     for p in procs:  # during the save (or just after it): ignored
         if p.poll() is None:

@@ -42,8 +42,9 @@ import torch
 import torch.distributed as tdist
 
 from gptrain.checkpoint import folder
+from gptrain.distributed import faults
 from gptrain.distributed import runtime as gdist
-from gptrain.errors import UserError, first_line
+from gptrain.errors import UserError
 
 LAYOUT = "dcp"  # meta.json "layout" of a sharded checkpoint (full ones have none)
 
@@ -63,12 +64,7 @@ def save_training(
     root = Path(run_dir) / "checkpoints"
     name = folder.step_dir_name(step)
     tmp = root / f".tmp-{name}"
-    if info.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier(group)
+    gdist.on_main(info, lambda: _make_tmp(root, tmp, info.rank))  # an error stops every rank
     tensors, others = _state(model, optimizer)
     writer = dcp.FileSystemWriter(tmp, thread_count=threads)
     if background:  # the staged copy is taken here, in this thread, before it returns
@@ -90,55 +86,96 @@ def save_training(
     return lambda: _publish(step, root, tmp, future, state, rng, meta, tied, info, group, threads)
 
 
+def _make_tmp(root: Path, tmp: Path, rank: int) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as e:
+        name = tmp.name.removeprefix(".tmp-")
+        raise gdist.IOFailure(folder.save_failed(rank, "write", name, root, e)) from None
+
+
 def _publish(step, root, tmp, future, state, rng, meta, tied, info, group, threads):
-    """Collective (io group): wait for this rank's shards, hash them, agree that every rank's
-    write succeeded and that rank 0 sees every file; rank 0 writes state.pt and meta.json and
-    renames the folder into place (folder.publish). A failed write is a UserError on every
-    rank (the temporary folder is removed; the previous checkpoint stays `latest`)."""
+    """Collective (io group): wait for this rank's shards and hash them, gather every rank's
+    records and errors; rank 0 checks that it sees every file, writes state.pt and meta.json and
+    renames the folder into place (folder.publish), then tells every rank how that went. A write,
+    hash or publish that fails on any rank is one IOFailure on every rank, naming the rank, the
+    path and the OS error; a shard rank 0 cannot see (no shared filesystem) is a UserError on
+    every rank. Either way the temporary folder is removed and the previous checkpoint stays
+    `latest`."""
+    records, error = _own_part(step, root, tmp, future, info, threads)
+    gathered = [(records, rng, error)]
+    if group is not None:
+        gathered = [None] * info.world_size
+        tdist.all_gather_object(gathered, (records, rng, error), group=group)
+    # the outcome, decided by rank 0: None, or (failing rank, "io" or "user", its line)
+    outcome = next(((r, "io", g[2]) for r, g in enumerate(gathered) if g[2]), None)
+    path = None
+    if info.is_main and outcome is None:  # every rank's shards must be in rank 0's folder
+        missing = [n for g in gathered for n in g[0] if not (tmp / n).is_file()]
+        if missing:
+            why = f"FSDP2 checkpoint step {step}: {missing[0]} written by another rank is not in {tmp} as rank 0 sees it; sharded checkpoints need run.dir on a filesystem every node sees (shared), or use dist.mode=ddp"
+            outcome = (0, "user", why)
+    if info.is_main and outcome is None:
+        try:
+            path = _finish(step, root, tmp, state, gathered, meta, tied)
+        except Exception as e:  # noqa: BLE001 a full disk, a refused rename: the peers must hear it
+            name = tmp.name.removeprefix(".tmp-")
+            outcome = (0, "io", folder.save_failed(info.rank, "publish", name, root, e))
+    box = [outcome]
+    if group is not None:  # the peers wait here, within the I/O budget, for rank 0's publish
+        tdist.broadcast_object_list(box, src=0, group=group)
+    if box[0] is None:
+        return path
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rank, kind, message = box[0]
+    raise UserError(message) if (rank, kind) == (info.rank, "user") else gdist.peer_error(*box[0])
+
+
+def _own_part(step, root, tmp, future, info, threads) -> tuple[dict, str]:
+    """(records of this rank's shards, its error line or ""): its write waited for, its files
+    hashed (GPTRAIN_FAULT=publish_error@STEP/R fires here on a rank R > 0)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    error = ""
+    name = tmp.name.removeprefix(".tmp-")
     try:
         future.result()
     except (Exception, CheckpointException) as e:  # a full disk, an I/O error, on any rank
-        error = f"cannot write checkpoint {tmp.name.removeprefix('.tmp-')} in {root} ({type(e).__name__}: {first_line(e)}); the previous checkpoint ({folder.pointer(root) or 'none'}) is intact; free disk space and run the same command to resume"
-    records = folder.file_records(sorted(tmp.glob(f"__{info.rank}_*.distcp")), threads)  # its own
-    gathered = [None] * info.world_size
-    tdist.all_gather_object(gathered, (records, rng), group=group)
-    if info.is_main and not error:  # every rank's shards must be in rank 0's folder
-        missing = [n for g in gathered for n in g[0] if not (tmp / n).is_file()]
-        if missing:
-            error = f"FSDP2 checkpoint step {step}: {missing[0]} written by another rank is not in {tmp} as rank 0 sees it; sharded checkpoints need run.dir on a filesystem every node sees (shared), or use dist.mode=ddp"
-    failed = torch.tensor([1.0 if error else 0.0])
-    tdist.all_reduce(failed, group=group)
-    if failed.item():  # every rank stops; the one(s) that failed say why
-        if info.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(error or "another rank failed (see its message above)")
-    path = None
-    if info.is_main:
-        state["train_state"]["rng"] = [g[1] for g in gathered]
-        torch.save(state, tmp / "state.pt")
-        folder.fsync_file(tmp / "state.pt")
-        tok_file = meta.get("tokenizer", {}).get("path")
-        if tok_file and Path(tok_file).is_file():
-            folder.fsync_write(tmp / folder.TOKENIZER_FILE, Path(tok_file).read_bytes())
-        files = {n: r for g in gathered for n, r in g[0].items()}
-        for f in sorted(tmp.iterdir()):  # .metadata, state.pt, tokenizer.json: rank 0's own
-            if f.name not in files:
-                files[f.name] = folder.file_record(f)
-        meta_all = {
-            "step": step,
-            **meta,
-            "format": folder.FORMAT,
-            "layout": LAYOUT,
-            "tied": tied,
-            "files": files,
-        }
-        folder.fsync_write(tmp / "meta.json", (_json(meta_all) + "\n").encode())
-        path = folder.publish(root, tmp.name.removeprefix(".tmp-"), tmp)
-    _barrier(group)
-    return path
+        return {}, folder.save_failed(info.rank, "write", name, root, e)
+    try:
+        if not info.is_main:
+            faults.publish_error(step, tmp / f"__{info.rank}_0.distcp")
+        return folder.file_records(sorted(tmp.glob(f"__{info.rank}_*.distcp")), threads), ""
+    except OSError as e:
+        return {}, folder.save_failed(info.rank, "publish", name, root, e)
+
+
+def _finish(step, root, tmp, state, gathered, meta, tied) -> Path:
+    """Rank 0: state.pt (with every rank's RNG), tokenizer.json, meta.json, then the rename."""
+    state["train_state"]["rng"] = [g[1] for g in gathered]
+    torch.save(state, tmp / "state.pt")
+    folder.fsync_file(tmp / "state.pt")
+    tok_file = meta.get("tokenizer", {}).get("path")
+    if tok_file and Path(tok_file).is_file():
+        folder.fsync_write(tmp / folder.TOKENIZER_FILE, Path(tok_file).read_bytes())
+    files = {n: r for g in gathered for n, r in g[0].items()}
+    for f in sorted(tmp.iterdir()):  # .metadata, state.pt, tokenizer.json: rank 0's own
+        if f.name not in files:
+            files[f.name] = folder.file_record(f)
+    meta_all = {
+        "step": step,
+        **meta,
+        "format": folder.FORMAT,
+        "layout": LAYOUT,
+        "tied": tied,
+        **folder.timeline_keys(root),  # the timeline this checkpoint belongs to
+        "files": files,
+    }
+    folder.fsync_write(tmp / "meta.json", (_json(meta_all) + "\n").encode())
+    return folder.publish(root, tmp.name.removeprefix(".tmp-"), tmp, step)
 
 
 def restore_training(ckpt_dir, meta: dict, model, optimizer, loader, info) -> dict:
@@ -269,44 +306,57 @@ def _load(ckpt_dir, tensors: dict, group, no_dist: bool = False) -> None:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` index is a pickle. This reads it without running code: only the index's
-    own classes (DCP's metadata dataclasses, torch.Size, dtypes, layouts, paths) can be named in
-    it; anything else (a function, a class with side effects) is refused before it is called."""
+    """DCP's `.metadata` index is a pickle. This reads it without running code: only the classes
+    an index is made of can be named in it (DCP's metadata dataclasses and enum, its storage
+    record, torch.Size, dtypes, the layout lookup, a POSIX path); anything else (another class
+    of those modules, a function, a class with side effects) is refused before it is called."""
 
-    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    NAMES = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
+    CLASSES = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch": {"Size"},
+        "torch.serialization": {"_get_layout"},
+        "collections": {"OrderedDict"},
+        "pathlib": {"PosixPath", "PurePosixPath"},
     }
 
     def find_class(self, module: str, name: str):
-        found = (
-            super().find_class(module, name)
-            if module.startswith("torch") or (module, name) in self.NAMES
-            else None
-        )
-        if (module, name) in self.NAMES or isinstance(found, torch.dtype):
-            return found
-        if module in self.MODULES and isinstance(found, type) and not name.endswith("Reader"):
-            return found  # the index's dataclasses and enums
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if name in self.CLASSES.get(module, ()) or dtype:
+            found = super().find_class(module, name)
+            if not module.startswith("torch.distributed") or found.__module__ == module:
+                return found  # (DCP's names: its own classes, never one it imported)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
 
 
 def _read_index(ckpt_dir):
-    """DCP's index of a checkpoint folder, read by _MetadataUnpickler; a refusal is one line."""
+    """DCP's index of a checkpoint folder, read by _MetadataUnpickler, each storage path a file
+    name in the folder; a refusal is one line."""
     index = Path(ckpt_dir) / ".metadata"
     try:
         with open(index, "rb") as f:
-            return _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, AttributeError, EOFError, ValueError) as e:
+            metadata = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, AttributeError, EOFError, ValueError, TypeError) as e:
         raise UserError(
             f"refused {index}: {e} (a checkpoint is data, never code; nothing from it was run); use a checkpoint you trained yourself"
         ) from None
+    storage = getattr(metadata, "storage_data", None) or {}
+    for info in storage.values() if isinstance(storage, dict) else [None]:
+        where = str(getattr(info, "relative_path", ""))
+        if not where or Path(where).name != where or where in (".", ".."):
+            raise UserError(
+                f"refused {index}: it names the storage file {where[:100]!r}, which is not a file of this folder (an absolute path or one with a directory or '..'; nothing was read); use a checkpoint you trained yourself"
+            )
+    return metadata
 
 
 def _safe_reader(ckpt_dir):
@@ -325,11 +375,6 @@ def _safe_reader(ckpt_dir):
             return metadata
 
     return SafeReader(ckpt_dir)
-
-
-def _barrier(group) -> None:
-    if group is not None:
-        tdist.barrier(group=group)
 
 
 def _json(obj) -> str:

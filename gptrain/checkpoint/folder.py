@@ -15,20 +15,24 @@ Layout (a contract, see docs/outputs.md):
                             and the size + sha256 of every other file (checked when loaded)
         tokenizer.json      only for a trained BPE tokenizer: a copy, so the folder stands alone
       latest                name of the newest complete checkpoint folder
+      timeline.json         the timeline the run trains on (ids of it and its ancestors)
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from gptrain.distributed import faults
 from gptrain.distributed.runtime import cpu_cores
 from gptrain.errors import UserError, first_line
 
@@ -44,6 +48,8 @@ FORMAT = 2  # 2: state.pt holds only tensors and plain data (loaded with weights
 
 
 TOKENIZER_FILE = "tokenizer.json"  # a copy of a trained BPE tokenizer, so sampling needs no data
+
+TIMELINE = "timeline.json"  # run.dir/checkpoints/timeline.json: the timeline the run trains on
 
 
 def step_dir_name(step: int) -> str:
@@ -71,23 +77,67 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def publish(root: Path, name: str, tmp: Path) -> Path:
-    """Rename the complete folder `tmp` to root/name and point `latest` at it (also used by
-    sharded.py for DCP checkpoints)."""
+def publish(root: Path, name: str, tmp: Path, step: int | None = None) -> Path:
+    """Rename the complete folder `tmp` to root/name and point `latest` at it (both backends, and
+    the mirror's downloads). A failure before `latest` names it (a full disk while writing the
+    pointer, a refused rename) undoes the renames and raises: the previous checkpoint is where it
+    was and `latest` still names it; the new folder is back at `tmp` (the caller removes it).
+    `step`: the checkpoint being saved, where GPTRAIN_FAULT=publish_error@STEP fires."""
     final = root / name
     old = root / f".old-{name}"
-    if final.exists():  # re-saving a step (a run resumed from an earlier step): two quick renames
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    fsync_dir(tmp)  # the folder's entries are on disk before it becomes visible
-    os.replace(tmp, final)
-    fsync_write(root / ".latest.tmp", (name + "\n").encode())
-    os.replace(root / ".latest.tmp", root / "latest")
+    moved = renamed = False
+    try:
+        if final.exists():  # re-saving a step (a run resumed from an earlier one): two renames
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+            moved = True
+        fsync_dir(tmp)  # the folder's entries are on disk before it becomes visible
+        os.replace(tmp, final)
+        renamed = True
+        if step is not None:
+            faults.publish_error(step, root / ".latest.tmp")
+        fsync_write(root / ".latest.tmp", (name + "\n").encode())
+        os.replace(root / ".latest.tmp", root / "latest")
+    except Exception:
+        _undo_publish(root, final, old, tmp, moved, renamed)
+        raise
     fsync_dir(root)  # the renames themselves survive a power loss
-    if old.exists():
-        shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _undo_publish(root: Path, final: Path, old: Path, tmp: Path, moved: bool, renamed: bool):
+    """Each rename of a failed publish backwards, as far as the filesystem lets it."""
+    with contextlib.suppress(OSError):
+        (root / ".latest.tmp").unlink(missing_ok=True)
+    if renamed:
+        with contextlib.suppress(OSError):
+            os.replace(final, tmp)
+    if moved and not final.exists():
+        with contextlib.suppress(OSError):
+            os.replace(old, final)
+
+
+def is_step_name(name: str) -> bool:
+    """A checkpoint folder's name (step_XXXXXXXX): no path, no `..`."""
+    return re.fullmatch(rf"{STEP_PREFIX}[0-9]{{8,}}", name) is not None
+
+
+def save_failed(rank: int, what: str, name: str, root: Path, e: BaseException) -> str:
+    """The one line of a checkpoint that could not be written or published: the rank, the path,
+    the OS error, what `latest` names now, and the fix."""
+    kept = pointer(root)
+    if kept == name:
+        kept = f"`latest` names {name}, which is complete"
+    elif kept:
+        kept = f"the previous checkpoint {kept} is intact and `latest` names it"
+    else:
+        kept = "no earlier checkpoint exists"
+    return (
+        f"rank {rank}: cannot {what} checkpoint {name} in {root} ({type(e).__name__}: {first_line(e)}); {kept}; "
+        "free disk space (or fix the filesystem) and run the same command to resume"
+    )
 
 
 def pointer(root: Path) -> str:
@@ -110,6 +160,10 @@ def latest(run_dir: str | Path) -> Path | None:
     if not pointer.is_file():
         return None
     name = pointer.read_text().strip()
+    if not is_step_name(name):
+        raise UserError(
+            f"{pointer} names {name[:100]!r}, which is not a checkpoint folder of this directory (step_XXXXXXXX: no path, no '..'); write the name of one of its checkpoint folders into it, or delete it"
+        )
     path = root / name
     if not path.exists() and _complete(root / f".old-{name}"):
         # killed between the two renames of a re-save (see save): the previous copy is complete
@@ -119,6 +173,57 @@ def latest(run_dir: str | Path) -> Path | None:
             f"{pointer} names {path.name}, which is incomplete or missing; delete {pointer} or restore the folder"
         )
     return path
+
+
+def read_timeline(root: Path) -> dict | None:
+    """The timeline the run trains on, from root/timeline.json (None when there is none): {"id",
+    "from_step" (the step a resume = STEP started it from; None for a fresh start), "command" (a
+    hash of that run's config), "ancestors" (the timelines it descends from, each with "until":
+    the last of its steps this one continues)}. See retention.py for how it is used."""
+    path = root / TIMELINE
+    try:
+        t = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"cannot read {path} ({first_line(e)}); restore it, or delete it to let resume follow `latest`"
+        ) from None
+    ok = (
+        isinstance(t, dict)
+        and isinstance(t.get("id"), str)
+        and isinstance(t.get("ancestors"), list)
+    )
+    if not ok or not all(
+        isinstance(a, dict) and isinstance(a.get("id"), str) and isinstance(a.get("until"), int)
+        for a in t["ancestors"]
+    ):
+        raise UserError(
+            f"{path} is malformed (no timeline id and ancestors); restore it, or delete it to let resume follow `latest`"
+        )
+    return t
+
+
+def write_timeline(root: Path, timeline: dict) -> None:
+    """root/timeline.json, replaced whole (written, fsynced, renamed)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fsync_write(root / f".{TIMELINE}.tmp", (json.dumps(timeline, indent=2) + "\n").encode())
+    os.replace(root / f".{TIMELINE}.tmp", root / TIMELINE)
+    fsync_dir(root)
+
+
+def point_latest(root: Path, name: str) -> None:
+    """`latest` names the checkpoint folder `name` (replaced atomically)."""
+    fsync_write(root / ".latest.tmp", (name + "\n").encode())
+    os.replace(root / ".latest.tmp", root / "latest")
+    fsync_dir(root)
+
+
+def timeline_keys(root: Path) -> dict:
+    """What a checkpoint's meta.json records of the timeline it is saved on (nothing when the run
+    directory records none)."""
+    t = read_timeline(root)
+    return {} if t is None else {"timeline": t, "parent_step": t.get("from_step")}
 
 
 def find(run_dir: str | Path, step: int | None = None) -> Path:

@@ -14,8 +14,9 @@ Layout (a contract, see README):
 A checkpoint is written into `.tmp-step_XXXXXXXX`, each file fsynced, then renamed into place and
 only then named in `latest` (itself replaced atomically). A crash at any point leaves either the
 previous complete checkpoint or the new complete one: never a half-written folder that resume sees.
-A write that fails (a full disk) removes the temporary folder and is one UserError; the previous
-checkpoint is untouched.
+A write or publish that fails (a full disk, a refused rename) removes the temporary folder and is
+one IOFailure on every rank, naming the rank, the path and the OS error; the previous checkpoint is
+untouched and `latest` still names it.
 
 Nothing in a checkpoint is code: weights are safetensors, meta.json is JSON, and state.pt is read
 with `torch.load(weights_only=True)` (tensors and plain data; RNG states are stored as tensors).
@@ -34,7 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from gptrain.checkpoint import folder
-from gptrain.errors import UserError, first_line
+from gptrain.distributed import runtime as gdist
+from gptrain.errors import UserError
 
 
 def save(
@@ -45,6 +47,7 @@ def save(
     state: dict | None = None,
     tied: dict[str, str] | None = None,
     threads: int = 1,
+    rank: int = 0,
 ) -> Path:
     """Write checkpoint `step` under run_dir/checkpoints atomically and point `latest` at it.
 
@@ -53,30 +56,28 @@ def save(
     since it is read back with weights_only=True;
     tied: {alias key: source key} of shared parameters (found from shared storage otherwise,
     but a gathered FSDP state dict holds separate copies);
-    threads: how many files are written and hashed at once (folder.io_threads).
+    threads: how many files are written and hashed at once (folder.io_threads);
+    rank: the rank writing it (named in the error line).
+    A write or publish that fails removes the temporary folder and is one IOFailure naming the
+    rank, the path and the OS error; the previous checkpoint stays intact and named in `latest`.
     """
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     name = folder.step_dir_name(step)
     tmp = root / f".tmp-{name}"
     bad = [k for k in model_state if k.startswith(("module.", "_orig_mod.")) or "._orig_mod." in k]
     if bad:
         raise ValueError(f"wrapper prefix in model state key {bad[0]!r}: save the unwrapped model")
+    what = "write"
     try:
+        root.mkdir(parents=True, exist_ok=True)
         _write_folder(tmp, step, model_state, meta, state, tied, threads)
+        what = "publish"
+        return folder.publish(root, name, tmp, step)
     except Exception as e:  # a full disk, a quota, an I/O error: torch and safetensors wrap OSError
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, (OSError, RuntimeError)) and "Safetensor" not in type(e).__name__:
             raise
-        kept = (
-            f"the previous checkpoint ({folder.pointer(root)}) is intact"
-            if folder.pointer(root)
-            else "no earlier checkpoint exists"
-        )
-        raise UserError(
-            f"cannot write checkpoint {name} in {root} ({type(e).__name__}: {first_line(e)}); {kept}; free disk space and run the same command to resume"
-        ) from None
-    return folder.publish(root, name, tmp)
+        raise gdist.IOFailure(folder.save_failed(rank, what, name, root, e)) from None
 
 
 def _write_folder(
@@ -114,7 +115,8 @@ def _write_folder(
     if tok_file and Path(tok_file).is_file():
         folder.fsync_write(tmp / folder.TOKENIZER_FILE, Path(tok_file).read_bytes())
     files = folder.file_records(sorted(tmp.iterdir()), threads)  # what meta.json vouches for
-    record = {"step": step, "format": folder.FORMAT, **meta, "files": files}
+    timeline = folder.timeline_keys(tmp.parent)  # the timeline this checkpoint belongs to
+    record = {"step": step, "format": folder.FORMAT, **meta, **timeline, "files": files}
     folder.fsync_write(tmp / "meta.json", (json.dumps(record, indent=2) + "\n").encode())
 
 
@@ -148,13 +150,11 @@ def save_training(
 ) -> Path | None:
     """Collective: every rank calls it; the main process writes model, optimizer, data cursor,
     train_state and the RNG state of EVERY rank. Keys are the unwrapped model's (no prefixes). A
-    failed write (full disk) is a UserError on every rank."""
+    failed write or publish (a full disk) is an IOFailure on every rank."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
-
-    from gptrain.distributed import runtime as gdist
 
     model_state = get_model_state_dict(model, options=_options())
     optim_state = get_optimizer_state_dict(model, optimizer, options=_options())
@@ -169,9 +169,11 @@ def save_training(
     }
 
     tied = folder.shared_parameters(model)
-    # the main process writes; its collective is the barrier after the save, and a failed write
-    # (a full disk) is one UserError on every rank
-    return gdist.on_main(info, lambda: save(run_dir, step, model_state, meta, state, tied, threads))
+    # the main process writes and publishes while the others wait on the I/O group (within its
+    # budget, not dist.timeout_s); a failed write or publish is one IOFailure on every rank
+    return gdist.on_main(
+        info, lambda: save(run_dir, step, model_state, meta, state, tied, threads, info.rank)
+    )
 
 
 def restore_training(ckpt_dir, model, optimizer, loader, info) -> dict:
@@ -184,8 +186,6 @@ def restore_training(ckpt_dir, model, optimizer, loader, info) -> dict:
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-
-    from gptrain.distributed import runtime as gdist
 
     # only the main process reads the files (the other ranks may have no copy of the run directory)
     state, model_state = gdist.on_main(

@@ -3,6 +3,8 @@ module, never a backend. It picks the backend: sharded (DCP, dcp.py) when the mo
 are sharded (distributed.parallelize.is_sharded, the one answer to "is this run sharded?"), else a
 full checkpoint written by the main process (full.py); on load, the folder's meta.json says which.
 
+    plan = manager.plan_resume(run_dir, "auto", config_text)  # main: what a start resumes
+    manager.begin(run_dir, plan)                     # main, once start-up succeeded
     pending = manager.save(run_dir, step, model, optimizer, loader, train_state, meta, info)
     pending.wait()                                   # every rank; publishes it
     ckpt, skipped = manager.resume_point(run_dir, "auto")
@@ -16,8 +18,9 @@ from pathlib import Path
 from gptrain.checkpoint import dcp, folder, full, mirror, retention
 from gptrain.config.sections import DistConfig
 from gptrain.distributed import faults
+from gptrain.distributed import runtime as gdist
 from gptrain.distributed.parallelize import is_sharded, shards
-from gptrain.errors import UserError
+from gptrain.errors import UserError, first_line
 
 # the folder contract's read-only helpers and the retention rules, re-exported so that callers
 # need this module only
@@ -30,22 +33,55 @@ shared_parameters = folder.shared_parameters
 FORMAT = folder.FORMAT
 TOKENIZER_FILE = folder.TOKENIZER_FILE
 problem = retention.problem
+Plan = retention.Plan
+IOFailure = gdist.IOFailure  # a checkpoint write or publish that failed: one line on every rank
 configure_mirror = mirror.configure  # checkpoint.mirror (main process, before training)
 
 
 def resume_point(run_dir, resume: str) -> tuple[Path | None, list[str]]:
     """retention.resume_point, looking at the mirror too (when one is configured): under auto or
-    latest, a verified remote checkpoint newer than every valid local one is fetched first."""
-    warnings = []
-    if mirror.active() is not None and resume in ("auto", "latest"):
-        try:
-            local, _ = retention.resume_point(run_dir, "auto")
-        except UserError:  # every local checkpoint is damaged
-            local = None
-        step = folder.load_meta(local)["step"] if local is not None else None
-        warnings = mirror.fetch_newer(run_dir, step)
+    latest, a verified remote checkpoint of the run's timeline newer than every valid local one
+    is fetched first."""
+    warnings = _fetch(run_dir) if resume in ("auto", "latest") else []
     path, skipped = retention.resume_point(run_dir, resume)
     return path, warnings + skipped
+
+
+def plan_resume(run_dir, resume: str, command: str) -> retention.Plan:
+    """Main process, at start-up: what this start resumes (retention.plan: resume = STEP acts
+    once, on a new timeline), the mirror looked at as in resume_point. `command`: the run's
+    config as text (a requeued job has the same). Writes nothing but a mirror download."""
+    warnings = _fetch(run_dir) if resume in ("auto", "latest") else []
+    plan = retention.plan(run_dir, resume, command)
+    plan.warnings = warnings + plan.warnings
+    return plan
+
+
+def begin(run_dir, plan: retention.Plan) -> None:
+    """Main process, once start-up succeeded (nothing is written for a bad input): the run's
+    timeline recorded locally and on the mirror; after a resume = STEP that branches, `latest`
+    names that step's checkpoint until the new timeline's first save."""
+    retention.begin(run_dir, plan)
+    m = mirror.active()
+    if m is None:
+        return
+    try:
+        m.record_timeline(plan.timeline)
+    except Exception as e:  # noqa: BLE001 any filesystem's error: network, credentials
+        raise gdist.IOFailure(
+            f"rank 0: cannot record the run's timeline on checkpoint.mirror = {m.url!r} ({type(e).__name__}: {first_line(e)}); nothing was trained; check the mirror and run the same command"
+        ) from None
+
+
+def _fetch(run_dir) -> list[str]:
+    if mirror.active() is None:
+        return []
+    try:
+        local, _ = retention.resume_point(run_dir, "auto")
+    except UserError:  # every local checkpoint is damaged
+        local = None
+    step = folder.load_meta(local)["step"] if local is not None else None
+    return mirror.fetch_newer(run_dir, step)
 
 
 def prune(run_dir, newest: int, keep_last: int, keep_every: int) -> list[str]:

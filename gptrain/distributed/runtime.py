@@ -276,27 +276,31 @@ def _attempt(fn, rank: int) -> tuple:
 
 def raise_on_every_rank(error: tuple | None) -> None:
     """Collective on the I/O group: when any rank has an error (from _attempt), every rank
-    raises. The failing rank raises its own exception (an OSError as an IOFailure); the others a
-    UserError with the first failing rank's message and exit code, else an IOFailure."""
-    errors = [None if error is None else (*error[:2], getattr(error[2], "exit_code", 2))]
+    raises. The failing rank raises its own exception (an OSError as an IOFailure); the others
+    `peer_error` of the first failing rank's."""
+    mine = None if error is None else (*error[:2], getattr(error[2], "exit_code", 2))
+    errors = [mine]
     if active():
         errors = [None] * dist.get_world_size()
-        mine = None if error is None else (*error[:2], getattr(error[2], "exit_code", 2))
         dist.all_gather_object(errors, mine, group=io_group())
-    first = next((e for e in errors if e is not None), None)
+    first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
     if first is None:
         return
     if error is not None:
-        kind, message, e = error
-        if isinstance(e, OSError):
-            raise IOFailure(message) from e
-        raise e
-    kind, message, code = first
-    if kind == "user":
-        peer = UserError(message)
-        peer.exit_code = code
-        raise peer
-    raise IOFailure(message)
+        if isinstance(error[2], OSError):
+            raise IOFailure(error[1]) from error[2]
+        raise error[2]
+    raise peer_error(first[0], *first[1])
+
+
+def peer_error(rank: int, kind: str, message: str, exit_code: int = 2) -> Exception:
+    """What a rank raises for another rank's error: its bad input as a UserError with its exit
+    code ("another rank failed (rank R): ..."), anything else as an IOFailure with its line."""
+    if kind != "user":
+        return IOFailure(message)
+    e = UserError(f"another rank failed (rank {rank}): {message}")
+    e.exit_code = exit_code
+    return e
 
 
 def check_same_config(config_text: str, info: DistInfo) -> None:
