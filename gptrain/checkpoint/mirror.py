@@ -160,12 +160,47 @@ class Mirror:
 
     # --- resume ---------------------------------------------------------------------------------
 
-    def candidates(self) -> list[str]:
-        """Remote folders to resume from, newest first: `latest`'s, then older ones."""
+    def timeline(self) -> dict | None:
+        """The remote run's timeline: its timeline.json (written when a run starts, before its
+        first upload), else the one of the checkpoint `latest` names; None when it records none."""
+        try:
+            t = json.loads(self.fs.cat_file(f"{self.root}/{folder.TIMELINE}"))
+        except (OSError, ValueError):
+            named = self.latest()
+            t = self._meta(named).get("timeline") if folder.is_step_name(named) else None
+        ok = isinstance(t, dict) and isinstance(t.get("id"), str)
+        return t if ok and isinstance(t.get("ancestors"), list) else None
+
+    def record_timeline(self, timeline: dict) -> None:
+        """URL/checkpoints/timeline.json: the timeline the run now trains on (a resume from an
+        earlier step is recorded before its first upload, so the mirror never offers the
+        checkpoints it left)."""
+        if self.timeline() != timeline:
+            self.fs.pipe(f"{self.root}/{folder.TIMELINE}", json.dumps(timeline).encode())
+
+    def _meta(self, name: str) -> dict:
+        try:
+            meta = json.loads(self.fs.cat_file(f"{self.root}/{name}/meta.json"))
+        except (OSError, ValueError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
+    def candidates(self, timeline: dict | None = None) -> list[str]:
+        """Remote folders to resume from, newest first: those on `timeline` (see
+        retention.in_history; a folder whose meta.json cannot be read is kept, to be skipped
+        as damaged), or without one `latest`'s and older ones."""
         named = self.latest()
-        top = retention._step_of(named) if named else None
-        steps = [s for s in self.steps() if top is None or s <= top]
-        return [folder.step_dir_name(s) for s in steps]
+        top = retention._step_of(named) if folder.is_step_name(named) else None
+        names = [folder.step_dir_name(s) for s in self.steps()]
+        if timeline is None:
+            return [n for n in names if top is None or retention._step_of(n) <= top]
+        out = []
+        for n in names:
+            meta = self._meta(n)
+            t = meta.get("timeline") if meta else "?"
+            if t == "?" or retention.in_history(timeline, t, retention._step_of(n)):
+                out.append(n)
+        return out
 
     def download(self, name: str, run_dir: Path) -> Path:
         root = Path(run_dir) / "checkpoints"
@@ -214,19 +249,25 @@ def active() -> Mirror | None:
 
 
 def fetch_newer(run_dir: str | Path, local_step: int | None) -> list[str]:
-    """Resume: the newest valid remote checkpoint newer than `local_step` (the newest valid local
-    one; None: none) is downloaded, checked and published locally. Returns warnings for damaged
-    remote copies skipped on the way."""
+    """Resume: the newest valid remote checkpoint of the run's timeline newer than `local_step`
+    (the newest valid local one; None: none) is downloaded, checked and published locally. A
+    remote timeline that continues the local one (the run went on elsewhere) is adopted; one that
+    contradicts it (neither continues the other) is one UserError before anything is written.
+    Returns warnings for damaged remote copies skipped on the way."""
     m, warnings = _mirror, []
     if m is None:
         return warnings
     root = Path(run_dir) / "checkpoints"
-    for name in m.candidates():
+    local, remote = retention.current(root), m.timeline()
+    timeline = _follow(m, root, local, remote)
+    for name in m.candidates(timeline):
         if local_step is not None and retention._step_of(name) <= local_step:
             break
         tmp = m.download(name, run_dir)
         why = retention.problem(tmp)
         if why is None:
+            if timeline is not local and timeline is not None:  # the remote went on: follow it
+                folder.write_timeline(root, timeline)
             folder.publish(root, name, tmp)
             return [
                 *warnings,
@@ -234,4 +275,21 @@ def fetch_newer(run_dir: str | Path, local_step: int | None) -> list[str]:
             ]
         shutil.rmtree(tmp, ignore_errors=True)
         warnings.append(f"skipped mirror checkpoint {m.url}/checkpoints/{name}: {why}")
+    if timeline is not local and timeline is not None and local is not None:
+        folder.write_timeline(root, timeline)  # it left local checkpoints: they are not resumed
     return warnings
+
+
+def _follow(m: Mirror, root: Path, local: dict | None, remote: dict | None) -> dict | None:
+    """Which timeline resume follows: the local one when the remote one is the same, older (one
+    it descends from) or unrecorded; the remote one when the local one is unrecorded or the remote
+    one descends from it; otherwise the two contradict each other: a UserError."""
+    if local is None or remote is None:
+        return remote if local is None else local
+    if remote["id"] == local["id"] or remote["id"] in {a["id"] for a in local["ancestors"]}:
+        return local
+    if local["id"] in {a["id"] for a in remote["ancestors"]}:
+        return remote
+    raise UserError(
+        f"checkpoint.mirror = {m.url!r}: its history contradicts {root}'s: the mirror is on timeline {remote['id']} (from step {remote.get('from_step')}), this run directory on {local['id']} (from step {local.get('from_step')}), and neither continues the other; nothing was written or deleted; choose with --checkpoint.resume=STEP (a local step), or use another checkpoint.mirror or run.dir"
+    )

@@ -1,17 +1,26 @@
 """Which checkpoint folders count: the one to resume from, and the ones to keep.
 
+- Timelines: `checkpoint.resume = STEP` starts a new timeline from that step's checkpoint; the
+  checkpoints after it belong to the timeline it left, and resume never returns to them. The run's
+  timeline is recorded in checkpoints/timeline.json (written by `begin` once start-up succeeded)
+  and in each checkpoint's meta.json (with its ancestors and the step each was left at). The same
+  command requeued (same config) continues the new timeline instead of going back to STEP.
 - Fallback (`resume_point`): under checkpoint.resume = auto or latest, a newest checkpoint that is
   incomplete, truncated or fails its hashes is skipped with a warning naming it and why, and the
-  newest valid one is used; none valid is one error. An explicit step is never replaced.
+  newest valid one of the timeline is used; none valid is one error. An explicit step is never
+  replaced.
 - Retention (`prune`): after a checkpoint is complete and named in `latest`, keep the newest
   checkpoint.keep_last and every multiple of checkpoint.keep_every; never the newest one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from gptrain.checkpoint import folder
@@ -58,6 +67,89 @@ def resume_point(run_dir: str | Path, resume: str) -> tuple[Path | None, list[st
     return None, []
 
 
+@dataclass
+class Plan:
+    """What a start resumes: the checkpoint (None: start fresh), warnings (checkpoints skipped,
+    mirror downloads), the timeline the run trains on, whether it branches there (a resume =
+    STEP acted on now) and the line that says what resume = STEP did ("" otherwise)."""
+
+    path: Path | None
+    warnings: list[str]
+    timeline: dict
+    branch: bool = False
+    line: str = ""
+
+
+def plan(run_dir: str | Path, resume: str, command: str) -> Plan:
+    """checkpoint.resume -> a Plan; writes nothing (begin() does, once start-up succeeded).
+
+    auto, latest, none: as resume_point, on the run's timeline. A step number acts once: the
+    first time it starts a new timeline from that step's checkpoint (of any timeline); when the
+    run's timeline was already started from that step by this same command (config), a requeued
+    job, it continues that timeline from its newest valid checkpoint instead."""
+    root = Path(run_dir) / "checkpoints"
+    now = current(root)
+    command = hashlib.sha256(command.encode()).hexdigest()[:16]
+    if resume in ("auto", "latest", "none"):
+        path, warnings = resume_point(run_dir, resume)
+        t = now if now is not None and path is not None else None
+        if t is None and path is not None:
+            t = timeline_of(path)
+        if not isinstance(t, dict):  # a fresh start, or a checkpoint of an older gptrain
+            until = [] if path is None else [{"id": "", "until": _step_of(path.name)}]
+            t = {"id": secrets.token_hex(6), "from_step": None, "command": command}
+            t["ancestors"] = until
+        return Plan(path, warnings, t)
+    step = int(resume)
+    if now is not None and any(
+        a.get("from_step") == step and a.get("command") == command for a in [now, *now["ancestors"]]
+    ):
+        path, warnings = resume_point(run_dir, "latest")
+        line = f"checkpoint.resume = {step} already started this timeline with the same config: continuing it from {path.name}, not going back to step {step} (a run with other settings branches from step {step} again)"
+        return Plan(path, warnings, now, line=line)
+    return _branch(run_dir, step, command)
+
+
+def _branch(run_dir, step: int, command: str) -> Plan:
+    """A new timeline from the checkpoint of `step`, whichever timeline it belongs to."""
+    root = Path(run_dir) / "checkpoints"
+    if not (root / folder.step_dir_name(step) / "meta.json").is_file():
+        have = sorted(
+            s for p in root.glob(f"{folder.STEP_PREFIX}*") if (s := _step_of(p.name)) is not None
+        )
+        raise UserError(
+            f"checkpoint.resume = {step}: no checkpoint of step {step} in {root} (steps there: {', '.join(map(str, have)) or 'none'}); choose one of them, or resume = auto"
+        )
+    path, _ = resume_point(run_dir, str(step))  # refused when damaged
+    parent = timeline_of(path)
+    parent = parent if isinstance(parent, dict) else {"id": "", "ancestors": []}
+    head = {k: parent.get(k) for k in ("id", "from_step", "command")}
+    t = {"id": secrets.token_hex(6), "from_step": step, "command": command}
+    t["ancestors"] = [*parent["ancestors"], {**head, "until": step}]
+    left = [p.name for p in candidates(run_dir) if _step_of(p.name) > step]
+    line = f"checkpoint.resume = {step}: a new timeline starts from {path.name}"
+    if left:
+        line += f"; the checkpoints after it ({', '.join(reversed(left))}) stay on the timeline it leaves: resume = auto will not return to them"
+    return Plan(
+        path,
+        [],
+        t,
+        branch=True,
+        line=line + "; requeued, the same command continues the new timeline",
+    )
+
+
+def begin(run_dir: str | Path, p: Plan) -> None:
+    """Main process, once start-up succeeded: the run's timeline recorded in timeline.json; a
+    branch also points `latest` at the checkpoint it starts from (so that a crash before its first
+    checkpoint resumes there, never on the timeline it left)."""
+    root = Path(run_dir) / "checkpoints"
+    if folder.read_timeline(root) != p.timeline:
+        folder.write_timeline(root, p.timeline)
+    if p.branch and folder.pointer(root) != p.path.name:
+        folder.point_latest(root, p.path.name)
+
+
 def _step_of(name: str) -> int | None:
     """step_00000100 (or its moved copy .old-step_00000100) -> 100; None for other names."""
     name = name.removeprefix(".old-")
@@ -66,9 +158,11 @@ def _step_of(name: str) -> int | None:
 
 
 def candidates(run_dir: str | Path) -> list[Path]:
-    """Checkpoint folders to resume from, newest first: the one `latest` names (or its moved copy,
-    see save), then every folder of an earlier step. Folders of later steps than `latest` belong to
-    a timeline that a resume from an earlier step abandoned and are not candidates."""
+    """Checkpoint folders to resume from, newest first: those on the run's timeline (`current`):
+    its own checkpoints and its ancestors' up to the step it continues from. Without any timeline
+    record (checkpoints of an older gptrain): the one `latest` names (or its moved copy, see
+    folder.publish), then every folder of an earlier step. Either way, folders of a timeline that a
+    resume from an earlier step abandoned are not candidates."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
@@ -78,13 +172,48 @@ def candidates(run_dir: str | Path) -> list[Path]:
         if (s := _step_of(p.name)) is not None and p.name.startswith(folder.STEP_PREFIX)
     }
     named = folder.pointer(root)
-    top = _step_of(named) if named else None
-    if top is None:
-        return [steps[s] for s in sorted(steps, reverse=True)]
-    first = root / named
-    if not first.exists() and (root / f".old-{named}").exists():
-        first = root / f".old-{named}"  # killed between the two renames of a re-save
-    return [first] + [steps[s] for s in sorted(steps, reverse=True) if s < top]
+    top = _step_of(named) if folder.is_step_name(named) else None
+    if top is not None and top not in steps and (root / f".old-{named}").exists():
+        steps[top] = root / f".old-{named}"  # killed between the two renames of a re-save
+    now = current(root)
+    if now is None:
+        return [steps[s] for s in sorted(steps, reverse=True) if top is None or s <= top]
+    return [steps[s] for s in sorted(steps, reverse=True) if on_timeline(now, steps[s], s, top)]
+
+
+def current(root: Path) -> dict | None:
+    """The timeline the run trains on: timeline.json, else the one of the checkpoint `latest`
+    names; None for a run directory of an older gptrain (no timeline recorded anywhere)."""
+    t = folder.read_timeline(root)
+    named = folder.pointer(root)
+    if t is None and folder.is_step_name(named):
+        t = timeline_of(root / named)
+    return t if isinstance(t, dict) else None
+
+
+def timeline_of(path: Path):
+    """The timeline recorded in a checkpoint's meta.json: a dict, None for a checkpoint of an
+    older gptrain (no timeline), or "?" when meta.json cannot be read."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return "?"
+    t = meta.get("timeline") if isinstance(meta, dict) else "?"
+    return t if t is None or (isinstance(t, dict) and isinstance(t.get("id"), str)) else "?"
+
+
+def in_history(now: dict, timeline: dict | None, step: int) -> bool:
+    """Whether a checkpoint of `timeline` (None: of an older gptrain) at `step` is part of the
+    history of timeline `now`: one of its own, or an ancestor's up to the step `now` continues."""
+    tid = "" if timeline is None else timeline["id"]
+    return tid == now["id"] or any(a["id"] == tid and step <= a["until"] for a in now["ancestors"])
+
+
+def on_timeline(now: dict, path: Path, step: int, top: int | None) -> bool:
+    t = timeline_of(path)
+    if t == "?":  # unreadable: a candidate (skipped as damaged) unless newer than `latest`
+        return top is None or step <= top
+    return in_history(now, t, step)
 
 
 def problem(path: Path) -> str | None:
