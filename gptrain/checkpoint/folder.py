@@ -189,19 +189,22 @@ def read_timeline(root: Path) -> dict | None:
         raise UserError(
             f"cannot read {path} ({first_line(e)}); restore it, or delete it to let resume follow `latest`"
         ) from None
-    ok = (
-        isinstance(t, dict)
-        and isinstance(t.get("id"), str)
-        and isinstance(t.get("ancestors"), list)
-    )
-    if not ok or not all(
-        isinstance(a, dict) and isinstance(a.get("id"), str) and isinstance(a.get("until"), int)
-        for a in t["ancestors"]
-    ):
+    if not valid_timeline(t):
         raise UserError(
             f"{path} is malformed (no timeline id and ancestors); restore it, or delete it to let resume follow `latest`"
         )
     return t
+
+
+def valid_timeline(t) -> bool:
+    """A timeline record: a string id, and ancestors each with a string id and an int `until`."""
+    if not (isinstance(t, dict) and isinstance(t.get("id"), str)):
+        return False
+    ancestors = t.get("ancestors")
+    return isinstance(ancestors, list) and all(
+        isinstance(a, dict) and isinstance(a.get("id"), str) and isinstance(a.get("until"), int)
+        for a in ancestors
+    )
 
 
 def write_timeline(root: Path, timeline: dict) -> None:

@@ -168,8 +168,7 @@ class Mirror:
         except (OSError, ValueError):
             named = self.latest()
             t = self._meta(named).get("timeline") if folder.is_step_name(named) else None
-        ok = isinstance(t, dict) and isinstance(t.get("id"), str)
-        return t if ok and isinstance(t.get("ancestors"), list) else None
+        return t if folder.valid_timeline(t) else None
 
     def record_timeline(self, timeline: dict) -> None:
         """URL/checkpoints/timeline.json: the timeline the run now trains on (a resume from an

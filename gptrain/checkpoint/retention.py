@@ -199,7 +199,7 @@ def timeline_of(path: Path):
     except (OSError, ValueError):
         return "?"
     t = meta.get("timeline") if isinstance(meta, dict) else "?"
-    return t if t is None or (isinstance(t, dict) and isinstance(t.get("id"), str)) else "?"
+    return t if t is None or folder.valid_timeline(t) else "?"
 
 
 def in_history(now: dict, timeline: dict | None, step: int) -> bool:
