@@ -28,6 +28,9 @@ Rows (each a real `gptrain` command, started the way a user starts it):
      wall time of one sharded checkpoint save (2 steps, a save each, keep_last 1: ~19 GB of
      weights and AdamW state at most twice on the node's disk) with checkpoint.io_threads's
      thread count (auto: the node's cores shared by its ranks, at most 8)
+  5. GPT-2 XL under FSDP2 with Muon (optim.name = muon) and activation checkpointing: peak memory
+     per GPU, the time of a step and Muon's share of it (its optimizer step, timed between device
+     synchronisations, over the whole step; 3 steps, the fastest Muon step counted)
 A row whose command fails is printed FAILED with the command's last line (its whole log to
 stderr), the next row runs, and the script exits 1.
 Rows 1-4 train on this machine's own Python sources (torch's), byte-tokenised by `gptrain prepare`:
@@ -57,7 +60,8 @@ MB = 2**20
 
 
 def worker(out: str, overrides: list[str]) -> None:
-    """One rank of a training run: train(), then record peak memory and checkpoint save times."""
+    """One rank of a training run: train(), then record peak memory, checkpoint save times and
+    Muon's optimizer step times."""
     import resource
 
     import torch
@@ -66,9 +70,20 @@ def worker(out: str, overrides: list[str]) -> None:
     from gptrain.commands.train import train
     from gptrain.config.load import load_config
     from gptrain.distributed import runtime as dist
+    from gptrain.training import muon
 
     save_s: list[float] = []
-    original = manager.save
+    muon_s: list[float] = []
+    original, muon_step = manager.save, muon.Muon.step
+
+    def timed_muon_step(self, *args, **kwargs):
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        result = muon_step(self, *args, **kwargs)
+        sync()
+        muon_s.append(time.perf_counter() - t0)
+        return result
 
     def timed_save(*args, **kwargs):
         t0 = time.perf_counter()
@@ -76,7 +91,7 @@ def worker(out: str, overrides: list[str]) -> None:
         save_s.append(time.perf_counter() - t0)
         return path
 
-    manager.save = timed_save
+    manager.save, muon.Muon.step = timed_save, timed_muon_step
     cfg = load_config(None, overrides)
     info = dist.DistInfo.from_env(cfg.train.device)
     dist.init(info, cfg.dist.backend, cfg.dist.timeout_s)
@@ -91,7 +106,7 @@ def worker(out: str, overrides: list[str]) -> None:
             peaks = [None] * info.world_size
             torch.distributed.all_gather_object(peaks, peak)
         if info.is_main:
-            record = {**summary, "peak_mib": max(peaks), "save_s": save_s}
+            record = {**summary, "peak_mib": max(peaks), "save_s": save_s, "muon_s": muon_s}
             Path(out).write_text(json.dumps(record))
     finally:
         dist.teardown()
@@ -243,6 +258,7 @@ class Check:
             todo.append((2, f"GPT-2 124M, {mode.upper()} x {n}", partial(parallel, mode)))
         todo.append((3, f"FSDP2 x {n}, deterministic kernels: SIGKILL, resume to step {steps}", resume))  # fmt: skip
         todo.append((4, f"GPT-2 XL, FSDP2 x {n}, activation checkpointing", xl))
+        todo.append((5, f"GPT-2 XL, FSDP2 x {n}, Muon, activation checkpointing", self.xl_muon))
         for number, check, measure in todo:
             if number in rows:
                 try:
@@ -252,6 +268,15 @@ class Check:
                     last = [line for line in str(e).splitlines() if line.strip()][-1]
                     self.failed = True
                     self.add(check, f"failed: {last.strip()[:300]}", "FAILED")
+
+    def xl_muon(self) -> tuple[str, str]:
+        """Row 5: GPT-2 XL under FSDP2 with Muon and activation checkpointing, 3 steps, no saves:
+        peak memory, the step time (tokens per step / tok/s) and Muon's share of it."""
+        overrides = self.overrides("xl_muon", "gpt2-xl", 3, "dist.mode=fsdp", "train.activation_checkpointing=blocks", "optim.name=muon")  # fmt: skip
+        r = self.train("xl_muon", self.gpus, overrides)
+        tokens = int(next(o for o in overrides if o.startswith("train.total_batch_size=")).split("=")[1])  # fmt: skip
+        step_s, muon = tokens / r["tok_per_s"], min(r["muon_s"])
+        return f"peak {r['peak_mib']:,.0f} MiB per rank, {r['tok_per_s']:,.0f} tok/s, {step_s:.2f} s a step", f"Muon {muon:.3f} s a step ({muon / step_s:.0%})"  # fmt: skip
 
     def add(self, check: str, result: str, verdict: str) -> None:
         """One row of the table, with the seconds since the previous one, printed at once."""
@@ -305,7 +330,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, 2 gloo ranks")
     p.add_argument("--keep", default="", help="keep the runs in this folder")
-    p.add_argument("--rows", default="0,1,2,3,4", help="which rows to run, e.g. 0,4 (the runs a row compares with come along)")  # fmt: skip
+    p.add_argument("--rows", default="0,1,2,3,4,5", help="which rows to run, e.g. 0,4 (the runs a row compares with come along)")  # fmt: skip
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     if a.worker:
@@ -313,8 +338,8 @@ def main() -> int:
         return 0
     parts = a.rows.split(",")
     rows = {int(r) for r in parts if r.isdigit()}
-    if len(rows) < len(set(parts)) or not rows <= {0, 1, 2, 3, 4}:
-        print(f"gpu_check: --rows {a.rows!r}: give row numbers from 0 to 4, comma-separated (e.g. 0,4)")  # fmt: skip
+    if len(rows) < len(set(parts)) or not rows <= {0, 1, 2, 3, 4, 5}:
+        print(f"gpu_check: --rows {a.rows!r}: give row numbers from 0 to 5, comma-separated (e.g. 0,4)")  # fmt: skip
         return 2
     import torch
 
