@@ -1,9 +1,10 @@
 """Worker for tests/test_muon_dist.py, run as one process per rank (gloo, RANK/WORLD_SIZE set by
 dist_helpers.spawn): `python tests/muon_dist_worker.py OUT DATA_DIR [OVERRIDE...]`.
 
-Muon trains the same 5 float32 steps of the same global batches (wsd schedule) three ways in one
-process group: DDP with every rank orthogonalising every matrix (redundant), DDP with each
-matrix orthogonalised on its owner and broadcast (split), and FSDP2. Per variant rank 0 saves
+Muon trains the same 5 float32 steps of the same global batches (wsd schedule) in one process
+group: DDP with every rank orthogonalising every matrix (redundant), DDP with each matrix
+orthogonalised on its owner and broadcast (split), FSDP2, and FSDP2 on a model whose matrices
+split into row blocks of different sizes (fsdp_odd). Per variant rank 0 saves
 the full weights (OUT.VARIANT.pt); every rank records which matrix shapes it orthogonalised and
 a fingerprint of its parameters (OUT.RANK json)."""
 
@@ -103,10 +104,13 @@ def fingerprint(model) -> list:
     return [o.tolist() for o in out]
 
 
+# width 33 (3 heads): c_attn has 99 rows and the projections 33, so the ranks' row blocks differ
+ODD = ["model.n_embd=33", "model.n_head=3"]
 VARIANTS = {
     "ddp_redundant": ["dist.mode=ddp", "optim.muon_split=redundant"],
     "ddp_split": ["dist.mode=ddp", "optim.muon_split=split"],
     "fsdp": ["dist.mode=fsdp"],
+    "fsdp_odd": ["dist.mode=fsdp", *ODD],
 }
 
 

@@ -2,11 +2,12 @@
 whole, on one owner rank, under FSDP2 and (optim.muon_split = split) DDP.
 
 Single process: the owners divide the Newton-Schulz FLOPs (at most 1/N of the total plus the
-largest matrix's, its matrix products counted as they run); a matrix sharded other than by rows, and
-optim.muon_split = redundant under FSDP2, are refused with one line naming the key or parameter. Two gloo ranks (tests/muon_dist_worker.py and `gptrain train`):
-1 process, DDP (redundant and split) and FSDP2 end within 1e-5 of each other after 5 float32
-steps; an FSDP2 + Muon run killed mid-run resumes bit for bit on 2 ranks and within 1e-5 on 1;
-its `gptrain export` gives transformers the same logits.
+largest matrix's, its matrix products counted as they run); a matrix sharded other than by rows,
+and optim.muon_split = redundant under FSDP2, are refused with one line naming the parameter or
+the key. Two gloo ranks (tests/muon_dist_worker.py and `gptrain train`): 1 process, DDP
+(redundant and split) and FSDP2 (also with row blocks of unequal sizes) end within 1e-5 of each
+other after 5 float32 steps; an FSDP2 + Muon run killed mid-run resumes bit for bit on 2 ranks and
+within 1e-5 on 1; its `gptrain export` gives transformers the same logits.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def worker_runs(byte_data, tmp_path_factory):
     weights = {n: torch.load(out.with_name(f"result.{n}.pt")) for n in worker.VARIANTS}
     model, single = worker.train(str(byte_data), "dist.mode=ddp")
     weights["single"] = {k: v.detach() for k, v in model.state_dict().items()}
+    model, _ = worker.train(str(byte_data), "dist.mode=ddp", *worker.ODD)
+    weights["single_odd"] = {k: v.detach() for k, v in model.state_dict().items()}
     return weights, records, single
 
 
@@ -122,9 +125,10 @@ def _max_difference(a: dict, b: dict) -> float:
 def test_ddp_and_fsdp_muon_equal_one_process(worker_runs):
     weights, records, single = worker_runs
     assert single["losses"][0] - single["losses"][-1] > 0.5  # it trained
-    for name in worker.VARIANTS:
+    for name in ("ddp_redundant", "ddp_split", "fsdp"):
         assert _max_difference(weights[name], weights["single"]) <= TOLERANCE, name
         torch.testing.assert_close(records[0][name]["losses"], single["losses"], rtol=1e-5, atol=0)
+    assert _max_difference(weights["fsdp_odd"], weights["single_odd"]) <= TOLERANCE
     for name in ("ddp_redundant", "ddp_split"):  # the replicas hold the same bytes
         prints = records[0][name]["fingerprints"]
         assert prints[0] == prints[1], name
