@@ -103,8 +103,9 @@ def build_optimizer(
     kernel on CUDA and CPU (on a CPU 5-10x faster than foreach: one pass over each parameter
     instead of a dozen), else foreach. muon: MuonAdamW (see muon_split for which parameter goes
     where), decaying the Muon matrices by cfg.muon_weight_decay and AdamW's by cfg.weight_decay,
-    orthogonalising in `muon_dtype` (the run's measured choice, gptrain/training/choices.py);
-    None: cfg.muon_dtype when explicit, else bf16 (what torch.optim.Muon does)."""
+    orthogonalising in `muon_dtype` (the run's measured choice, gptrain/training/choices.py;
+    None: cfg.muon_dtype when explicit, else bf16, what torch.optim.Muon does), each matrix on
+    one owner rank under FSDP2, and under DDP as cfg.muon_split says (muon_splits)."""
     fused = device_type in ("cuda", "cpu")
     adamw = dict(
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused
