@@ -135,8 +135,11 @@ def test_cross_section_checks_belong_to_config():
     cfg = Config(optim=OptimConfig(warmup_steps=500), train=TrainConfig(max_steps=100))
     with pytest.raises(UserError, match=r"optim\.warmup_steps.*train\.max_steps"):
         cfg.check()
-    with pytest.raises(UserError, match=r"optim\.name = 'muon' with dist\.mode = 'fsdp'"):
-        Config(optim=OptimConfig(name="muon"), dist=DistConfig(mode="fsdp")).check()
+    with pytest.raises(
+        UserError, match=r"optim\.muon_split = 'redundant' with dist\.mode = 'fsdp'"
+    ):
+        muon = OptimConfig(name="muon", muon_split="redundant")
+        Config(optim=muon, dist=DistConfig(mode="fsdp")).check()
 
 
 def test_missing_and_broken_files(tmp_path):

@@ -34,13 +34,13 @@ def test_gpu_check_dry_run_prints_its_table(monkeypatch, capsys):
     assert gpu_check.main() == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
-    assert len(rows) == 6, out
+    assert len(rows) == 7, out
     cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
     assert [c[2] for c in cells[0:1] + cells[2:4]] == ["OK"] * 3, out
     assert cells[4][2] == "OK, bit for bit", out  # on a CPU the resume is exact
     assert "dtype float32 (config), attention " in rows[1], out
     assert all(c[3].endswith(" s") and float(c[3][:-2]) >= 0 for c in cells), out
-    assert out.count("gpu_check: done: ") == 6, out  # each row printed when it was done
+    assert out.count("gpu_check: done: ") == 7, out  # each row printed when it was done
     assert "vocab 50257" in rows[0] and "tok/s, MFU" in rows[0]
     assert "sharded checkpoint save" in rows[5] and "peak" in rows[1]
 
@@ -70,7 +70,7 @@ def _fake_check(monkeypatch, diff=0.0, noise=0.0, fail=()):
                 f"failed: torchrun ... {name}\nTraceback ...\nRuntimeError: {name} broke\n"
             )
         choices = {"dtype": "bfloat16", "attention": "sdpa", "how": {"dtype": "measured", "attention": "measured"}, "block_ms": {"float32/sdpa": 3.0, "bfloat16/sdpa": 1.5}}  # fmt: skip
-        return {"train_loss": 2.0, "tok_per_s": 1.0, "mfu": 0.5, "peak_mib": 1.0, "save_s": [1.0], "speed_choices": choices}  # fmt: skip
+        return {"train_loss": 2.0, "tok_per_s": 1.0, "mfu": 0.5, "peak_mib": 1.0, "save_s": [1.0], "muon_s": [0.1], "speed_choices": choices}  # fmt: skip
 
     def kill_and_resume(n, steps, extra):
         train("resume_cut", n, check.overrides("resume_cut", "gpt2", steps, *extra))
@@ -91,6 +91,7 @@ def _fake_check(monkeypatch, diff=0.0, noise=0.0, fail=()):
         ({2}, ["one_False", "ddp", "fsdp"]),
         ({3}, ["exact", "resume_cut"]),
         ({4}, ["xl"]),
+        ({5}, ["xl_muon"]),
         ({0, 1, 2, 3, 4}, ["one_False", "ddp", "fsdp", "exact", "resume_cut", "xl"]),
     ],
 )
@@ -99,7 +100,7 @@ def test_rows_train_only_what_they_need_once(monkeypatch, capsys, rows, runs):
     check.run(rows)
     assert [t[0] for t in trained] == runs and not check.failed
     assert len(check.rows) == len(capsys.readouterr().out.splitlines())  # each printed when done
-    assert len(check.rows) == sum({0: 1, 1: 1, 2: 2, 3: 1, 4: 1}[r] for r in rows)
+    assert len(check.rows) == sum({0: 1, 1: 1, 2: 2, 3: 1, 4: 1, 5: 1}[r] for r in rows)
     configs = {name: [o for o in overrides if not o.startswith("run.dir=")] for name, _, overrides in trained}  # fmt: skip
     for name, nproc, overrides in trained:
         assert nproc == (1 if name.startswith("one_") else 2)
@@ -110,12 +111,12 @@ def test_rows_train_only_what_they_need_once(monkeypatch, capsys, rows, runs):
             assert "checkpoint.keep_last=1" in overrides and "train.max_steps=2" in overrides
 
 
-@pytest.mark.parametrize("rows", ["5", "x", "", "1,,2"])
+@pytest.mark.parametrize("rows", ["6", "x", "", "1,,2"])
 def test_bad_rows_are_one_line_and_exit_2(monkeypatch, capsys, rows):
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run", "--rows", rows])
     assert gpu_check.main() == 2
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "--rows" in out and "0 to 4" in out
+    assert out.count("\n") == 1 and "--rows" in out and "0 to 5" in out
 
 
 @pytest.mark.parametrize(

@@ -44,8 +44,9 @@ def test_no_development_history_in_the_repository():
 
 
 def test_the_checks_find_what_they_look_for():
-    assert HISTORY.search("measured in Session 22") and HISTORY.search("see issue #37")
-    assert HASH.search("before 5617f7e the loop") and HASH.search("at e61ce64.")
+    # the examples are assembled so that this file itself holds no match
+    assert HISTORY.search("measured in Ses" + "sion 22") and HISTORY.search("see iss" + "ue #37")
+    assert HASH.search("before 5617" + "f7e the loop") and HASH.search("at e61c" + "e64.")
     assert not HASH.search("magic 20240520") and not HASH.search("deadbeef")
     assert not HASH.search("sha256 " + "ab12" * 16)
 

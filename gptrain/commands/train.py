@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.cli import parse_cli
+from gptrain.config.fields import duration_s
 from gptrain.config.load import Config, load_config
 from gptrain.distributed import failures, faults, launch
 from gptrain.distributed import runtime as dist
@@ -34,7 +35,6 @@ from gptrain.training import attempts, batch
 from gptrain.training import run as phases
 from gptrain.training.evaluator import Due
 from gptrain.training.guards import NonFiniteStop, Preemption, rollback_point
-from gptrain.training.optim import lr_at, set_lr
 from gptrain.training.precision import nondeterministic_op
 
 
@@ -57,29 +57,32 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 
 
 def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption) -> dict:
-    t = cfg.train
+    t, budget_s = cfg.train, duration_s(cfg.train.time_budget) if cfg.train.time_budget else None
     run = phases.start(cfg, info)  # data, resume, model, loader, logger: every bad input fails here
     ledger.started(run.state)
     if (early := _before_loop(run, cfg, preemption, watchdog, ledger)) is not None:
         return early
     state, meter, checkpointer, evaluator = run.state, run.meter, run.checkpointer, run.evaluator
-    state.start_clock()
+    state.start_clock(compiles=t.compile)
     meter.restart(state.step)
     stopped_by = None
     with _on_error(run, cfg):
         while state.step < t.max_steps:
             # one optimizer step at this step's learning rate
             watchdog.enter("step", state.step + 1)
-            lr = lr_at(state.step, cfg.optim, t.max_steps)
-            set_lr(run.optimizer, lr, cfg.optim)
+            state.step_begins()
+            lr = run.set_lr(cfg.optim, t.max_steps, budget_s)  # by steps, or by time spent
             with faults.in_step(state.step + 1, run.model):  # GPTRAIN_FAULT drills; else nothing
                 loss, grad_norm = run.train_step(cfg.optim.grad_clip)
             state.spikes.record(state.step + 1, loss, grad_norm)  # train.spike: no sync here
             state.advance(t.total_batch_size)
             meter.tick()
             step, last_step = state.step, state.step == t.max_steps
-            # at the step boundary each part says whether it is due
-            save, stop = checkpointer.due(step, last_step, preemption)
+            # at the step boundary each part says whether it is due (the last step: max_steps or
+            # the time budget spent, agreed by every rank)
+            save, stop, last_step = checkpointer.due(
+                step, last_step, state.out_of_time(budget_s), preemption
+            )
             evals = evaluator.due(step, last_step)
             log = meter.due(step, last_step) or bool(evals)
             # steps that sync anyway: the non-finite and spike policies; rollback past a bad step
@@ -103,6 +106,8 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption
                 run.logger.text(
                     f"stopped by {stopped_by} at step {step}: checkpoint {saved} is complete; run the same command to resume"
                 )
+                break
+            if last_step:
                 break
     return _after_loop(run, cfg, watchdog, ledger, stopped_by)
 
@@ -230,6 +235,9 @@ def main(argv: list[str]) -> int:
         print(f"gptrain: error: {e}", file=sys.stderr)
         return attempts.EXIT_CRASH_LOOP
     except NonFiniteStop as e:  # train.nonfinite = stop, or train.max_skips reached
+        print(f"gptrain: error: {e}", file=sys.stderr)
+        return 1
+    except checkpoint.IOFailure as e:  # a checkpoint not written or read: every rank, one line
         print(f"gptrain: error: {e}", file=sys.stderr)
         return 1
     except RuntimeError as e:  # a dead or stuck peer: one line naming rank and operation, exit 1

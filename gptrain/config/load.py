@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from gptrain.config.fields import check, check_choices
 from gptrain.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -26,8 +27,6 @@ from gptrain.config.sections import (
     OptimConfig,
     RunConfig,
     TrainConfig,
-    check,
-    check_choices,
 )
 from gptrain.errors import UserError
 

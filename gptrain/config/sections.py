@@ -11,32 +11,11 @@ them all and then the checks that involve two sections. Loading (defaults < `--c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
-from gptrain.errors import UserError
+from gptrain.config.fields import check, duration_s, opt
 
 MUON_SPLIT_HELP = "muon only, 2+ processes: split: each matrix orthogonalised on one rank, sent to the others (FSDP2: always); redundant: every DDP rank does every matrix; auto: split"
-
-
-def opt(default, help: str, choices: tuple | None = None, type_text: str = ""):
-    """A config field: its default, its one-line documentation and, optionally, allowed values and
-    how `--help` names its type (when the annotation alone would mislead)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "type": type_text})
-
-
-def check(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(message)
-
-
-def check_choices(section: str, sec) -> None:
-    """Every field with `choices` holds one of them."""
-    for f in fields(sec):
-        choices, value = f.metadata.get("choices"), getattr(sec, f.name)
-        check(
-            choices is None or value in choices,
-            f"{section}.{f.name} = {value!r}; allowed: {', '.join(choices or ())}",
-        )
 
 
 @dataclass(frozen=True)
@@ -106,6 +85,10 @@ class TrainConfig:
     seq_len: int = opt(256, "tokens per sequence")
     total_batch_size: int = opt(32768, "tokens per optimizer step, all processes and micro-steps")
     max_steps: int = opt(200, "optimizer steps to train")
+    time_budget: str = opt(
+        "",
+        "training time to stop at (90s, 10m, 2h; start-up, compilation, evaluation, saves excluded); the lr schedule follows it; max_steps still caps. Empty: off",
+    )
     dtype: str = opt(
         "auto",
         "compute dtype: float32, bfloat16, float16 (with a GradScaler), or auto: the faster of float32 and the device's fast dtype, timed on one transformer block at start-up (cached per machine)",
@@ -158,6 +141,10 @@ class TrainConfig:
         mb = self.micro_batch_size
         check(mb == "auto" or mb >= 1, f"train.micro_batch_size = {mb} must be >= 1 or auto")
         check(self.max_skips >= 1, f"train.max_skips = {self.max_skips} must be >= 1")
+        check(
+            not self.time_budget or duration_s(self.time_budget) is not None,
+            f"train.time_budget = {self.time_budget!r} is not a duration; write it as 90s, 10m or 2h",
+        )
         check(
             self.spike_window >= 2,
             f"train.spike_window = {self.spike_window} must be >= 2 (a standard deviation needs 2 steps), e.g. 128",

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from gptrain.config.sections import EvalConfig
+from gptrain.distributed import faults
 from gptrain.evals.hellaswag import HellaSwag
 from gptrain.evals.val import ValLoss
 
@@ -52,6 +53,8 @@ class Evaluator:
     def run(self, step: int, due: Due, wrapped, info, autocast, logger, watchdog) -> dict:
         """Collective: the due evaluations' metrics; each logs one line and is watched as its
         own phase (val, hellaswag, sample), with its own hang budget."""
+        if due:
+            faults.eval_error(step)  # GPTRAIN_FAULT=eval_error@STEP: this evaluation raises
         out = {}
         if due.val:
             watchdog.enter("val", step)

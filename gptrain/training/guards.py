@@ -76,14 +76,14 @@ class Preemption:
         """Collective (every rank, every step): True when any rank received a signal."""
         return dist.any_rank(self.received is not None)
 
-    def agreed_with(self, due: bool) -> tuple[bool, bool]:
-        """`agreed()` and whether a time-based checkpoint is due by any rank's clock, in the same
-        one all-reduce of a two-element CPU tensor (every rank calls this instead of `agreed`
-        when checkpoint.every_minutes is set), so every rank decides the same."""
-        flags = torch.tensor([self.received is not None, due], dtype=torch.int32)
+    def agreed_with(self, *due: bool) -> tuple[bool, ...]:
+        """`agreed()` and, for each flag, whether it holds on any rank (a time-based save or the
+        time budget, by any rank's clock), in one all-reduce of a small CPU tensor, so every
+        rank decides the same."""
+        flags = torch.tensor([self.received is not None, *due], dtype=torch.int32)
         if dist.active():
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
+        return tuple(bool(f) for f in flags)
 
 
 class NonFiniteStop(Exception):

@@ -61,6 +61,7 @@ class Meter:
             "tok_per_s": tok_per_s,
             "mfu": mfu,
             "skipped": state.nonfinite.count(),
+            "train_s": state.train_s,  # optimizer steps only (train.time_budget's clock)
         }
         if self.spikes:
             metrics["spikes"] = state.spikes.count

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from gptrain.cache import atomic_write_bytes
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.load import Config, to_toml
+from gptrain.config.sections import OptimConfig
 from gptrain.data.loader import Dataset, TrainLoader
 from gptrain.data.prepare import resolve_data_dir
 from gptrain.distributed import parallelize
@@ -45,6 +46,7 @@ from gptrain.training.choices import Choices
 from gptrain.training.evaluator import EVAL_KEYS, Evaluator
 from gptrain.training.guards import NonFinite, Spikes
 from gptrain.training.meter import Meter
+from gptrain.training.optim import lr_at, set_lr
 from gptrain.training.saving import Checkpointer
 from gptrain.training.state import TrainState
 from gptrain.training.step import train_step
@@ -88,7 +90,18 @@ class Run:
             step=s.step + 1,
         )
 
+    def set_lr(self, o: OptimConfig, max_steps: int, budget_s: float | None) -> float:
+        """This step's learning rate, set on the optimizer: the schedule read at the step, or
+        with train.time_budget at the share of the budget spent."""
+        lr = lr_at(self.state.schedule_step(o.warmup_steps, max_steps, budget_s), o, max_steps)
+        set_lr(self.optimizer, lr, o)
+        return lr
+
     def evaluate(self, step: int, due, watchdog) -> dict:
+        """Collective: the due evaluations; a background save is published before them (an
+        evaluation that fails cannot cost a finished checkpoint)."""
+        if due:
+            self.checkpointer.publish()
         e, args = self.evaluator, (self.wrapped, self.info, self.autocast, self.logger, watchdog)
         return e.run(step, due, *args)
 
@@ -112,28 +125,38 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
         info, lambda: resolve_data_dir(cfg.data.dir, cfg.data.tokenizer)
     )
     dataset = Dataset(data_dir)
-    # resume: from the latest checkpoint of this run directory when there is one
-    ckpt, warnings = dist.from_main(
-        info, lambda: checkpoint.resume_point(cfg.run.dir, cfg.checkpoint.resume)
+    # resume: the newest checkpoint of this run's timeline, or checkpoint.resume's step
+    plan = dist.from_main(
+        info, lambda: checkpoint.plan_resume(cfg.run.dir, cfg.checkpoint.resume, to_toml(cfg))
     )
+    ckpt, warnings = plan.path, list(plan.warnings)
     saved = dist.from_main(info, lambda: checkpoint.load_meta(ckpt)) if ckpt else {}
     _check_tokenizer(dataset, data_dir, ckpt, saved)
     run = _build(cfg, info, dataset, ckpt, saved)
-    if ckpt is not None:
-        ts = checkpoint.restore(ckpt, saved, run.model, run.optimizer, run.loader, info)
-        run.state.load_state_dict(ts)
-        if ts.get("world_size") != info.world_size:
-            torch.manual_seed(cfg.train.seed + 1000 * info.rank + run.state.step)
-    else:
-        torch.manual_seed(cfg.train.seed + 1000 * info.rank)  # dropout streams differ by rank
-    run.evaluator.best.update(
-        {k: saved[k] for k in ("best_val_loss", "best_val_step") if k in saved}
-    )
+    _restore(run, cfg.train.seed, saved)
     if info.is_main:
         run.meter.peak, cached, peak_warnings = cached_peak(info.device, run.ptdtype)
         warnings += peak_warnings
     _start_logging(run, cfg, warnings, cached if info.is_main else False)
+    # start-up succeeded: the run's timeline is recorded (resume = STEP acts once)
+    dist.on_main(info, lambda: checkpoint.begin(cfg.run.dir, plan))
+    if plan.line:
+        run.logger.text(plan.line)
     return run
+
+
+def _restore(run: Run, seed: int, saved: dict) -> None:
+    """Every stateful part from the checkpoint resumed (if any); the dropout RNG seeded per rank."""
+    info, ckpt = run.info, run.resumed_from
+    if ckpt is not None:
+        ts = checkpoint.restore(ckpt, saved, run.model, run.optimizer, run.loader, info)
+        run.state.load_state_dict(ts)
+        if ts.get("world_size") != info.world_size:
+            torch.manual_seed(seed + 1000 * info.rank + run.state.step)
+    else:
+        torch.manual_seed(seed + 1000 * info.rank)  # dropout streams differ by rank
+    best = {k: saved[k] for k in ("best_val_loss", "best_val_step") if k in saved}
+    run.evaluator.best.update(best)
 
 
 def _check_tokenizer(dataset: Dataset, data_dir, ckpt, saved: dict) -> None:
@@ -289,6 +312,7 @@ def finish(run: Run, cfg: Config) -> dict:
         **val,
         **run.evaluator.best,
         "elapsed_s": total,
+        "train_s": state.train_s,  # optimizer steps only: train.time_budget's clock
         "tok_per_s": tok_per_s,
         "mfu": mfu,
         "world_size": run.info.world_size,

@@ -29,16 +29,16 @@ class Checkpointer:
         self.pending: checkpoint.Pending | None = None  # a background save not yet published
         self._saved_at = time.monotonic()
 
-    def due(self, step: int, last_step: bool, preemption: Preemption) -> tuple[bool, bool]:
-        """Collective: (save now, stop now). A stop is agreed by every rank (one tiny all-reduce
-        that also agrees on checkpoint.every_minutes by any rank's clock); a stop saves too."""
+    def due(self, step: int, last_step: bool, out_of_time: bool, preemption: Preemption):
+        """Collective: (save now, stop now, last step). One tiny all-reduce agrees on a stop
+        signal, checkpoint.every_minutes and the time budget (`out_of_time`) by any rank's
+        clock; the last step (train.max_steps or the budget spent) and a stop save too."""
         every_s = self.c.every_minutes * 60
-        if every_s:
-            stop, timed = preemption.agreed_with(time.monotonic() - self._saved_at >= every_s)
-        else:
-            stop, timed = preemption.agreed(), False
+        timed = bool(every_s) and time.monotonic() - self._saved_at >= every_s
+        stop, timed, out_of_time = preemption.agreed_with(timed, out_of_time)
+        last_step = last_step or out_of_time
         every = self.c.every > 0 and step % self.c.every == 0
-        return last_step or timed or every or stop, stop
+        return last_step or timed or every or stop, stop, last_step
 
     def save(self, wait: bool):
         """Collective: checkpoint the current step; with checkpoint.async and not `wait`, it is

@@ -17,6 +17,8 @@ import torch
 
 from gptrain.training.guards import NonFinite, Spikes
 
+clock = time.perf_counter  # the training-time clock (a test may replace it)
+
 
 class TrainState:
     """Step, tokens, training time, skipped and rolled-back steps, the spike detector's window,
@@ -28,26 +30,51 @@ class TrainState:
         self.tokens = 0
         self.rollbacks = 0
         self.wandb_run_id: str | None = None
-        self._elapsed_before = 0.0  # training time of the attempts before this one
+        self.train_s = 0.0  # time in optimizer steps, every attempt (train.time_budget's clock)
+        self._elapsed_before = 0.0  # loop time of the attempts before this one
         self._started: float | None = None  # when this attempt's loop started
+        self._step_began: float | None = None
+        self._untimed = 0
 
-    def start_clock(self) -> None:
+    def start_clock(self, compiles: bool = False) -> None:
+        """The loop begins; with torch.compile its first step compiles and is not training time."""
         self._started = time.perf_counter()
+        self._untimed = 1 if compiles else 0
 
     def elapsed(self) -> float:
-        """Training seconds of every attempt so far (start-up excluded)."""
+        """Loop seconds of every attempt so far (start-up excluded; evaluations and saves in)."""
         now = time.perf_counter() - self._started if self._started is not None else 0.0
         return self._elapsed_before + now
 
+    def step_begins(self) -> None:
+        self._step_began = clock()
+
     def advance(self, tokens: int) -> None:
+        """After an optimizer step: its time counts as training time, except an attempt's
+        first step when it compiles."""
+        if self._untimed:
+            self._untimed -= 1
+        elif self._step_began is not None:
+            self.train_s += clock() - self._step_began
         self.step += 1
         self.tokens += tokens
+
+    def schedule_step(self, warmup_steps: int, max_steps: int, budget_s: float | None) -> float:
+        """The step the lr schedule is read at: the step itself, or with a time budget, after the
+        warmup, the point of the schedule that the training time has reached."""
+        if budget_s is None or self.step < warmup_steps:
+            return self.step
+        return max(float(warmup_steps), min(1.0, self.train_s / budget_s) * (max_steps - 1))
+
+    def out_of_time(self, budget_s: float | None) -> bool:
+        return budget_s is not None and self.train_s >= budget_s
 
     def state_dict(self) -> dict:
         return {
             "step": self.step,
             "tokens": self.tokens,
             "elapsed_s": self.elapsed(),
+            "train_s": self.train_s,
             "skipped": self.nonfinite.count(),
             "rollbacks": self.rollbacks,
             "spikes": self.spikes.state_dict(),
@@ -67,5 +94,6 @@ class TrainState:
             return
         self.spikes.load_state_dict(saved.get("spikes"))
         self._elapsed_before = saved.get("elapsed_s", 0.0)
+        self.train_s = saved.get("train_s", 0.0)
         self.rollbacks = saved.get("rollbacks", 0)
         self.wandb_run_id = saved.get("wandb_run_id")

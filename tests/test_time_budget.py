@@ -1,0 +1,86 @@
+"""train.time_budget: the lr schedule follows training time, the run stops inside the budget with
+its final evaluation and checkpoint, and a budget run killed and resumed ends where the
+uninterrupted one does (bit for bit, with a clock that makes every step take 1 s)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from train_helpers import DEBUG, run, weights
+
+import gptrain.training.state as state_module
+from gptrain.__main__ import main as cli
+from gptrain.checkpoint import manager as checkpoint
+from gptrain.config.sections import OptimConfig
+from gptrain.training.optim import cosine_lr
+
+# a budget of 6 s with steps of 1 s: 6 steps, well before max_steps
+COMMON = ["train.max_steps=100", "train.time_budget=6s", "optim.warmup_steps=2", "log.every=1"]
+COMMON += ["eval.every=0", "eval.sample_every=0", "eval.tokens=1024", "checkpoint.every=2"]
+
+
+class StepClock:
+    """Each read moves 1 s: a step reads it at its beginning and its end, so it takes 1 s."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+@pytest.fixture
+def step_clock(monkeypatch):
+    monkeypatch.setattr(state_module, "clock", StepClock())
+
+
+def lrs(run_dir) -> dict[int, float]:
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in rows if "lr" in r}
+
+
+def test_the_schedule_follows_time_and_the_run_stops_inside_the_budget(
+    byte_data, tmp_path, step_clock
+):  # noqa: E501
+    summary = run(byte_data, tmp_path / "r", *COMMON)
+    assert summary["steps"] == 6 and summary["train_s"] == pytest.approx(6.0)
+    assert "val_loss" in summary  # the final evaluation ran
+    assert checkpoint.find(tmp_path / "r").name == "step_00000006"
+    # step k (from 1) is trained at the schedule point reached after k - 1 seconds of 6
+    o = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2)
+    for k, lr in lrs(tmp_path / "r").items():
+        at = k - 1 if k - 1 < 2 else max(2.0, (k - 1) / 6 * 99)
+        want = cosine_lr(at, lr=o.lr, min_lr=o.min_lr, warmup_steps=2, max_steps=100)
+        assert lr == pytest.approx(want, rel=1e-12), k
+    assert lrs(tmp_path / "r")[6] < 0.2 * o.lr  # deep into the decay by the budget's end
+
+
+def test_a_budget_run_killed_and_resumed_ends_where_the_uninterrupted_one_does(
+    byte_data, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(state_module, "clock", StepClock())
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run(byte_data, full, *COMMON)
+    shutil.copytree(full, cut)
+    for later in (4, 6):
+        shutil.rmtree(cut / "checkpoints" / f"step_{later:08d}")
+    (cut / "checkpoints" / "latest").write_text("step_00000002\n")
+    monkeypatch.setattr(state_module, "clock", StepClock())  # a new process: a new clock
+    assert run(byte_data, cut, *COMMON)["steps"] == 6
+    a, b = weights(full), weights(cut)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert lrs(cut) == lrs(full)
+    saved = checkpoint.load_state(checkpoint.find(cut))["train_state"]
+    assert saved["train_s"] == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("bad", ["10", "ten minutes", "-5m", "0s"])
+def test_a_budget_that_is_not_a_duration_is_one_line_exit_2(tmp_path, capsys, bad):
+    args = ["train", "--config", DEBUG, f"--run.dir={tmp_path / 'r'}", f"--train.time_budget={bad}"]
+    assert cli(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.time_budget" in err[0] and "90s, 10m or 2h" in err[0]
+    assert not (tmp_path / "r").exists()
