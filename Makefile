@@ -2,8 +2,10 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Users get the newest torch their platform offers (CUDA builds on GPU machines); CI pins a CPU build
-# through TORCH_SPEC (see .ci/run).
+# Users get the newest torch their platform offers (CUDA builds on GPU machines). CI (.ci/run) runs
+# `make test` the same way, then again in a second venv with the oldest torch pyproject.toml
+# admits: make test VENV=.cache/venv-oldest TORCH_SPEC=torch==X.Y.Z (installed with the project,
+# so no other dependency can move it).
 TORCH_SPEC ?=
 STAMP := $(VENV)/.installed
 
@@ -14,8 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[dev]" $(TORCH_SPEC)
 	touch $(STAMP)
 
 train: setup
