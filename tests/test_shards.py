@@ -1,4 +1,5 @@
-"""Shard format: round trip, header checks (bad magic, truncated, wrong count), --verify."""
+"""Shard format: round trip, header checks (bad magic, truncated, wrong count), --verify, and
+manifests that name files outside their folder."""
 
 import hashlib
 
@@ -11,6 +12,7 @@ from gptrain.data.shards import (
     MAGIC,
     open_shard,
     read_header,
+    read_manifest,
     verify_dir,
     write_manifest,
     write_shard,
@@ -108,3 +110,56 @@ def test_missing_manifest(tmp_path, capsys):
     assert cli(["prepare", "--verify", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no manifest.json" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "where,bad",
+    [
+        ("file", "/etc/passwd"),
+        ("file", "../outside.bin"),
+        ("file", "sub/../../outside.bin"),
+        ("index", "../outside.docs.npy"),
+        ("parts", "/tmp/part_000000.tok"),
+        ("spans", "../train.spans.npy"),
+        ("composed_spans", "/abs/train.spans.npy"),
+    ],
+)
+def test_manifest_paths_outside_the_folder_are_refused(tmp_path, capsys, where, bad):
+    """A manifest names only files inside its folder: an absolute path or one with `..` is one
+    line naming the manifest and the fix, exit 2."""
+    _, manifest = make_dir(tmp_path, np.arange(500))
+    entry = manifest["shards"][0]
+    if where == "file":
+        entry["file"] = bad
+    elif where == "index":
+        entry["index"] = {"file": bad, "documents": 1, "sha256": "0" * 64}
+    elif where == "parts":
+        manifest["parts"] = [{"file": bad, "tokens": 1, "sha256": "0" * 64}]
+    elif where == "spans":
+        manifest["spans"] = {"train": {"file": bad, "sha256": "0" * 64}}
+    else:
+        manifest["shards"].append({"file": "train_000001", "format": "composed", "spans": bad})
+    write_manifest(tmp_path, manifest)
+    with pytest.raises(UserError, match="is not a path inside the folder"):
+        read_manifest(tmp_path)
+    assert cli(["prepare", "--verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert (
+        str(tmp_path / "manifest.json") in err
+        and repr(bad) in err
+        and "re-run gptrain prepare" in err
+    )
+
+
+def test_llmc_entries_alone_may_name_an_absolute_file(tmp_path):
+    """llm.c conversion names the original by its absolute path where it cannot hard-link it."""
+    _, manifest = make_dir(tmp_path, np.arange(500))
+    original = str((tmp_path / "train_000000.bin").resolve())
+    manifest["shards"][0] |= {"file": original, "format": "llmc"}
+    write_manifest(tmp_path, manifest)
+    assert read_manifest(tmp_path)["shards"][0]["file"] == original
+    manifest["shards"][0]["file"] = "../train_000000.bin"  # `..` is refused even there
+    write_manifest(tmp_path, manifest)
+    with pytest.raises(UserError, match="is not a path inside the folder"):
+        read_manifest(tmp_path)

@@ -36,6 +36,33 @@ from gptrain.errors import UserError
 POS, LEN, PART, START = range(4)
 
 
+def check_storage_path(manifest_path, where: str, name, absolute_ok: bool = False) -> None:
+    """A manifest's storage path names a file inside its folder: relative, without `..` (only an
+    llm.c entry may be absolute, where conversion could not hard-link the original)."""
+    ok = isinstance(name, str) and name and "\0" not in name
+    path = Path(name) if ok else None
+    if ok and path.is_absolute():
+        ok = absolute_ok
+    elif ok:
+        ok = ".." not in path.parts
+    if not ok:
+        raise UserError(
+            f"{manifest_path}: {where} = {name!r} is not a path inside the folder (absolute, or "
+            f"with '..'); a manifest names only its own folder's files: re-run gptrain prepare"
+        )
+
+
+def check_paths(manifest_path, manifest: dict) -> None:
+    """Every storage path of a composed folder's manifest: its parts and span tables."""
+    for i, part in enumerate(manifest.get("parts") or []):
+        if isinstance(part, dict):
+            check_storage_path(manifest_path, f"parts[{i}].file", part.get("file"))
+    spans = manifest.get("spans") or {}
+    for split, record in spans.items() if isinstance(spans, dict) else ():
+        if isinstance(record, dict):
+            check_storage_path(manifest_path, f"spans.{split}.file", record.get("file"))
+
+
 class PartFiles:
     """The parts of one folder, read with pread; at most MAX_OPEN descriptors open at once."""
 

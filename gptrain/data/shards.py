@@ -213,7 +213,23 @@ def read_manifest(folder) -> dict:
     for key in ("tokenizer", "vocab_size", "eot_id", "shards"):
         if key not in manifest:
             raise UserError(f"{path} lacks key {key!r}; re-run gptrain prepare")
+    check_paths(path, manifest)
     return manifest
+
+
+def check_paths(path: Path, manifest: dict) -> None:
+    """Every storage path in the manifest stays inside the folder: relative, no `..`. Only an
+    llm.c entry's "file" may be absolute (conversion names the original where it cannot link)."""
+    for i, entry in enumerate(manifest["shards"] if isinstance(manifest["shards"], list) else []):
+        if not isinstance(entry, dict):
+            continue
+        llmc_entry = entry.get("format") == "llmc"
+        composed.check_storage_path(path, f"shards[{i}].file", entry.get("file"), llmc_entry)
+        if entry.get("format") == "composed":
+            composed.check_storage_path(path, f"shards[{i}].spans", entry.get("spans"))
+        if isinstance(entry.get("index"), dict):
+            composed.check_storage_path(path, f"shards[{i}].index.file", entry["index"].get("file"))
+    composed.check_paths(path, manifest)
 
 
 def verify_dir(folder) -> None:
