@@ -32,6 +32,7 @@ COMMANDS = {
     "eval": "gptrain.commands.eval",
     "tokenizer": "gptrain.commands.tokenizer",
     "race": "gptrain.commands.race",
+    "store": "gptrain.commands.store",
 }
 
 

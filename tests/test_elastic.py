@@ -8,6 +8,7 @@ from that very step."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -165,3 +166,99 @@ def test_two_loopback_agents_lose_a_node_and_get_it_back(byte_data, tmp_path):
     a_w, b_w = weights(tmp_path / "ref"), weights(run_dir)
     for k in a_w:  # 240 AdamW steps magnify float noise in parameters whose gradient is ~0
         torch.testing.assert_close(b_w[k], a_w[k], rtol=0, atol=1e-2, msg=k)
+
+
+def short_job(tmp_path: Path, data: Path, endpoint: str, steps: int) -> tuple[Path, list[str]]:
+    """The run directory and an agent's command for a short elastic job at `endpoint`."""
+    run_dir = tmp_path / "el"
+    cmd = [sys.executable, "-c", AGENT, "train", "--config", DEBUG, f"--data.dir={data}"]
+    cmd += [f"--run.dir={run_dir}", f"--train.max_steps={steps}", "--train.micro_batch_size=4"]
+    cmd += ["--checkpoint.every=5", "--eval.every=0", "--eval.sample_every=0", "--log.every=1"]
+    cmd += ["--log.progress=false", "--dist.nnodes=1:2", "--dist.nproc_per_node=1"]
+    cmd += [f"--dist.rdzv_endpoint={endpoint}", f"--dist.rdzv_conf={RDZV_CONF}"]
+    return run_dir, cmd
+
+
+def start_agent(cmd: list[str], err: Path, **env) -> subprocess.Popen:
+    """An agent in a session of its own, stderr to a file (an unread pipe blocks it)."""
+    return forked.Popen(cmd, env=h.env(**env), stdout=subprocess.DEVNULL, stderr=open(err, "w"), start_new_session=True)  # fmt: skip
+
+
+def start_store(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """`gptrain store --port 0` and the port it prints once it listens."""
+    out = tmp_path / "store.out"
+    store = subprocess.Popen(
+        [sys.executable, "-m", "gptrain", "store", "--port", "0"],
+        env=h.env(),
+        stdout=open(out, "w"),
+        stderr=subprocess.STDOUT,
+    )
+    wait_for(lambda: "--dist.rdzv_endpoint=" in out.read_text(), [store], 60)
+    line = out.read_text().splitlines()[0]
+    assert line.startswith("gptrain store: serving the rendezvous store at "), line
+    return store, int(line.rsplit(":", 1)[1].split()[0])
+
+
+def checkpointed(run_dir: Path, step: int):
+    return lambda: any(f"step_{step:08d}" in x for x in log_lines(run_dir))
+
+
+@pytest.mark.slow
+def test_a_store_off_the_nodes_lets_the_job_lose_either_node(byte_data, tmp_path):
+    """Two agents and a `gptrain store`: the node started first (rank 0, and the store's host
+    had the agents hosted it) is lost; the other re-forms alone and finishes the run."""
+    store, port = start_store(tmp_path)
+    run_dir, cmd = short_job(tmp_path, byte_data, f"127.0.0.1:{port}", steps=40)
+    errs = [tmp_path / "a.err", tmp_path / "b.err"]
+    a = b = None
+    try:
+        a = start_agent(cmd, errs[0])
+        b = start_agent(cmd, errs[1])
+        wait_for(checkpointed(run_dir, 10), [a, b], 60)
+        assert "world size 2" in log_lines(run_dir)[0]
+        lose_node(a)
+        assert b.wait(timeout=90) == 0, errs[1].read_text()[-3000:]
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                lose_node(p)
+        store.terminate()
+        assert store.wait(timeout=30) == 0  # SIGTERM ends it cleanly
+    resumed = [x for x in log_lines(run_dir) if x.startswith("resumed from")]
+    assert len(resumed) == 1 and "world size 1" in resumed[0], resumed
+    assert "is_host" not in errs[1].read_text()  # no store trouble on the survivor
+    steps = {json.loads(x).get("step") for x in (run_dir / "metrics.jsonl").read_text().splitlines()}  # fmt: skip
+    assert set(range(1, 41)) <= steps
+
+
+@pytest.mark.slow
+def test_losing_the_node_hosting_the_store_is_one_line_naming_it(byte_data, tmp_path):
+    """Without a `gptrain store`, the first agent on the endpoint's machine hosts the store; it
+    says so at the start, and when that node is lost the other ends within a bounded time with
+    one line naming the store, the node that hosted it and the way to avoid it."""
+    port = h.free_port()
+    endpoint = f"127.0.0.1:{port}"
+    run_dir, cmd = short_job(tmp_path, byte_data, endpoint, steps=400)
+    errs = [tmp_path / "a.err", tmp_path / "b.err"]
+    a = b = None
+    try:
+        a = start_agent(cmd, errs[0])
+        b = start_agent(cmd, errs[1], WAIT_FOR_PORT=port)
+        wait_for(checkpointed(run_dir, 10), [a, b], 60)
+        lose_node(a)
+        lost = time.time()
+        code = b.wait(timeout=90)
+        took = time.time() - lost
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                lose_node(p)
+    err = errs[1].read_text()
+    node = f"the agent of node {socket.gethostname()} (pid {a.pid})"
+    note = f"the rendezvous store at {endpoint} is hosted by {node}: losing that node ends the job"
+    assert note in err, err[-3000:]
+    line = f"gptrain: error: the rendezvous store at {endpoint}, hosted by {node}, the node that started it, is gone"  # fmt: skip
+    ends = [x for x in err.splitlines() if x.startswith("gptrain: error: the rendezvous store")]
+    assert len(ends) == 1 and ends[0].startswith(line), err[-3000:]
+    assert f"gptrain store --port {port}" in ends[0]
+    assert code not in (0, None) and took < 60, (code, took)

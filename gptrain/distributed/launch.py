@@ -21,7 +21,9 @@ import time
 import torch
 
 from gptrain.config.sections import DistConfig
+from gptrain.distributed import store as rdzv_store
 from gptrain.distributed.runtime import FRESH_STORE, cpu_cores
+from gptrain.distributed.store import Host
 from gptrain.errors import UserError, first_line
 
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # torchrun's defaults + USR1
@@ -106,6 +108,73 @@ def check_endpoint(endpoint: str, timeout_s: float) -> None:
             time.sleep(1.0)
 
 
+MARK_WAIT_S = 10.0  # how long an agent waits for the store's host mark once the store answers
+
+
+def _rendezvous_args(cfg: DistConfig, low: int, high: int) -> tuple[list[str], Host | None, object]:
+    """torch.distributed.run's options for a multi-node job, who hosts its rendezvous store, and
+    the store server when this agent hosts it (kept alive for the whole launch).
+
+    The store lives where dist.rdzv_endpoint points: in a `gptrain store` process (the agents
+    connect as clients: torch's is_host=false), or else in the agent of the endpoint's node,
+    which this agent becomes when the endpoint is this machine and its port is free."""
+    check_endpoint(cfg.rdzv_endpoint, cfg.timeout_s)
+    host, port = rdzv_store.split(cfg.rdzv_endpoint)
+    kept = (
+        rdzv_store.host_here(cfg.rdzv_endpoint, cfg.timeout_s) if _is_this_machine(host) else None
+    )
+    hosted_by = rdzv_store.who_hosts(cfg.rdzv_endpoint, MARK_WAIT_S)
+    conf = [c for c in cfg.rdzv_conf.replace(" ", "").split(",") if c]
+    if hosted_by is not None and hosted_by.kind == rdzv_store.EXTERNAL:
+        conf.append("is_host=false")
+    elif low < high:  # elastic, yet one node cannot be lost: say which, and how to avoid it
+        who = hosted_by.text if hosted_by else f"the agent of the node at {host}"
+        print(
+            f"gptrain: note: the rendezvous store at {cfg.rdzv_endpoint} is hosted by {who}: losing that node ends the job on every node; to lose any node safely, run `gptrain store --port {port}` on a stable host and point dist.rdzv_endpoint at it (docs/distributed.md)",
+            file=sys.stderr,
+            flush=True,
+        )
+    args = [
+        f"--nnodes={low}:{high}" if low < high else f"--nnodes={low}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={cfg.rdzv_endpoint}",
+        f"--rdzv_id={cfg.rdzv_id}",
+    ]
+    if conf:
+        args += [f"--rdzv_conf={','.join(conf)}"]
+    if low < high:  # elastic: survivors re-form (a restart of the worker group each time)
+        args += [f"--max-restarts={ELASTIC_RESTARTS}"]
+        # a node that joins a running job waits forever for the round's MASTER_ADDR when the
+        # agents share the rendezvous TCPStore (torch 2.13: rank 0 of an earlier round keeps
+        # its cached address and never writes it again): each round's rank 0 worker hosts a
+        # new store instead, so the workers need no per-restart namespace (FRESH_STORE)
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        os.environ[FRESH_STORE] = "1"
+    return args, hosted_by, kept
+
+
+def _store_lost(endpoint: str, hosted_by: Host | None, e: BaseException) -> UserError | None:
+    """After the rendezvous failed: when its store no longer answers, the one-line error naming
+    the process and node that hosted it (exit code 1: the job, not its input, failed); None when
+    the store still answers (the failure is something else)."""
+    if rdzv_store.answers(endpoint):
+        return None
+    host, port = rdzv_store.split(endpoint)
+    if hosted_by is not None and hosted_by.kind == rdzv_store.EXTERNAL:
+        who, fix = (
+            hosted_by.text,
+            f"start `gptrain store --port {port}` on {hosted_by.node} again, then the job",
+        )
+    else:
+        who = f"{hosted_by.text if hosted_by else f'the agent of the node at {host}'}, the node that started it"
+        fix = f"the job cannot go on without it: run it again, and to lose any node safely run `gptrain store --port {port}` on a stable host and point dist.rdzv_endpoint at it (docs/distributed.md)"
+    error = UserError(
+        f"the rendezvous store at {endpoint}, hosted by {who}, is gone ({first_line(e)}); {fix}"
+    )
+    error.exit_code = 1
+    return error
+
+
 def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
     """Re-run `gptrain train ARGV` as `nproc` workers on this machine through torch's own
     launcher, torch.distributed.run: standalone, or one of cfg.nnodes machines meeting at a c10d
@@ -120,23 +189,10 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     low, high = node_range(cfg.nnodes)
+    # who hosts the rendezvous store; the server when this agent does (a local: alive until the end)
+    hosted_by, kept = None, None
     if high > 1:
-        check_endpoint(cfg.rdzv_endpoint, cfg.timeout_s)
-        args = [
-            f"--nnodes={low}:{high}" if low < high else f"--nnodes={low}",
-            "--rdzv_backend=c10d",
-        ]
-        args += [f"--rdzv_endpoint={cfg.rdzv_endpoint}", f"--rdzv_id={cfg.rdzv_id}"]
-        if cfg.rdzv_conf:
-            args += [f"--rdzv_conf={cfg.rdzv_conf.replace(' ', '')}"]
-        if low < high:  # elastic: survivors re-form (a restart of the worker group each time)
-            args += [f"--max-restarts={ELASTIC_RESTARTS}"]
-            # a node that joins a running job waits forever for the round's MASTER_ADDR when the
-            # agents share the rendezvous TCPStore (torch 2.13: rank 0 of an earlier round keeps
-            # its cached address and never writes it again): each round's rank 0 worker hosts a
-            # new store instead, so the workers need no per-restart namespace (FRESH_STORE)
-            os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-            os.environ[FRESH_STORE] = "1"
+        args, hosted_by, kept = _rendezvous_args(cfg, low, high)
     else:
         args = ["--standalone"]
     # SIGTERM and SIGUSR1 (preemption, see guard.py) are forwarded to the workers, which save at
@@ -168,7 +224,12 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
             if code in codes:
                 return code
         return 2 if codes == [2] else 1
-    except RendezvousError as e:
+    except (RendezvousError, RuntimeError) as e:  # a lost store reaches the agent as either
+        lost = _store_lost(cfg.rdzv_endpoint, hosted_by, e) if high > 1 else None
+        if lost is not None:
+            raise lost from None
+        if not isinstance(e, RendezvousError):
+            raise
         raise UserError(
             f"rendezvous at {cfg.rdzv_endpoint} failed ({first_line(e)}); start the same command on all dist.nnodes = {cfg.nnodes} nodes"
         ) from None
