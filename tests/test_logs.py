@@ -13,7 +13,14 @@ import forked
 import pytest
 
 from gptrain.errors import UserError
-from gptrain.logs.loggers import WANDB_ID_FILE, NullLogger, RunLogger, rewind_metrics, tracker_key
+from gptrain.logs.loggers import (
+    WANDB_ID_FILE,
+    WANDB_STEP,
+    NullLogger,
+    RunLogger,
+    rewind_metrics,
+    tracker_key,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
@@ -30,6 +37,15 @@ def tensorboard_scalars(log_dir) -> dict[str, dict[int, float]]:
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def tensorboard_points(log_dir, tag: str) -> list[tuple[int, float]]:
+    """Every (step, value) TensorBoard plots for `tag`, in order (a step may appear twice)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def grouped(row: dict) -> dict:
@@ -67,7 +83,8 @@ def wandb_history(run_dir, summary: dict | None = None) -> list[list[dict]]:
                         i.key or "/".join(i.nested_key): json.loads(i.value_json)
                         for i in record.history.item
                     }
-                    rows.append({k: v for k, v in items.items() if not k.startswith("_")} | {"step": items["_step"]})  # fmt: skip
+                    step = items.pop(WANDB_STEP, items["_step"])  # the chart's x-axis
+                    rows.append({k: v for k, v in items.items() if k[0] != "_"} | {"step": step})
                 elif record.WhichOneof("record_type") == "summary" and summary is not None:
                     for i in record.summary.update:
                         summary[i.key or "/".join(i.nested_key)] = json.loads(i.value_json)
@@ -80,8 +97,8 @@ def offline_wandb(monkeypatch, tmp_path):
     """W&B logging locally, never touching the user's login, settings or cache."""
     pytest.importorskip("wandb", reason="wandb not installed (pip install -e '.[dev]')")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):  # fmt: skip
-        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / sub))
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
 
@@ -125,7 +142,7 @@ def test_tensorboard_and_wandb_get_what_metrics_jsonl_gets(tmp_path, offline_wan
     logger = RunLogger(tmp_path, tensorboard=True, wandb_project="gptrain-test", config={"a": 1})
     for step in (0, 5, 10):
         logger.log(step, {"loss": 3.0 - step / 10, "lr": 1e-3 * step, "tokens": 64 * step})
-    logger.log(10, {"val_loss": 2.5})  # a second row for one step (eval) is kept in TB
+    logger.log(10, {"val_loss": 2.5})  # a second row for one step (eval): TB and W&B keep it
     logger.close()
     rows = jsonl(tmp_path)
     tb = tensorboard_scalars(tmp_path / "tb")
@@ -135,11 +152,9 @@ def test_tensorboard_and_wandb_get_what_metrics_jsonl_gets(tmp_path, offline_wan
     deadline = (
         time.monotonic() + 60
     )  # wandb's writer process may still be flushing on a busy machine
-    while len(history := wandb_history(tmp_path)[0]) < 3 and time.monotonic() < deadline:
+    while len(history := wandb_history(tmp_path)[0]) < 4 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert history == [
-        grouped(r) for r in rows[:3]
-    ]  # W&B steps only increase: step 10's second row is not re-sent
+    assert history == [grouped(r) for r in rows]  # under W&B's x-axis, trainer/step
     assert (tmp_path / WANDB_ID_FILE).read_text().strip()
 
 
@@ -178,13 +193,41 @@ def test_resumed_run_shows_each_step_once_in_every_logger(byte_data, tmp_path, o
     ]  # the resumed process sent the redone steps under the same run id
 
 
+def test_a_rollback_leaves_only_the_redone_values_in_every_tracker(tmp_path, offline_wandb):
+    """A mid-run rollback (rewind to step 3 after logging 1..6, a spike at 6) redoes steps 4..6:
+    metrics.jsonl and TensorBoard hold exactly the redone values, and W&B's last row for each of
+    those steps (its x-axis, trainer/step) is the redone one."""
+    pytest.importorskip("tensorboard", reason="tensorboard not installed")
+    logger = RunLogger(tmp_path, tensorboard=True, wandb_project="gptrain-test")
+    first = {step: 10.0 - step for step in range(1, 7)} | {6: 99.0}  # step 6: the spike
+    redone = {step: 5.0 - step / 10 for step in (4, 5, 6)}
+    for step, loss in first.items():
+        logger.log(step, {"loss": loss})
+    logger.rewind(3)
+    for step, loss in redone.items():
+        logger.log(step, {"loss": loss})
+    logger.close()
+    wanted = {s: first[s] for s in (1, 2, 3)} | redone
+    assert {r["step"]: r["loss"] for r in jsonl(tmp_path)} == wanted
+    points = tensorboard_points(tmp_path / "tb", "train/loss")  # the spike and 4, 5 hidden
+    assert [s for s, _ in points] == list(wanted)
+    assert [v for _, v in points] == pytest.approx(list(wanted.values()))
+    deadline = time.monotonic() + 60  # wandb's writer process may still be flushing
+    while len(history := wandb_history(tmp_path)[0]) < 9 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [r["step"] for r in history] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+    last = {r["step"]: r["train/loss"] for r in history}  # later rows win
+    assert last == pytest.approx(wanted)
+
+
 def test_wandb_that_cannot_start_is_one_line_exit_2(byte_data, tmp_path):
     """Not logged in (a fresh process: wandb keeps its settings per process)."""
     pytest.importorskip("wandb", reason="wandb not installed")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env |= {"HOME": str(tmp_path / "home"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
     run_dir = tmp_path / "run"
-    args = ["--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--log.wandb=proj"]  # fmt: skip
+    args = ["--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
+    args.append("--log.wandb=proj")
     proc = forked.run(
         [sys.executable, "-m", "gptrain", "train", *args],
         env=env,
@@ -208,9 +251,9 @@ def test_missing_logging_packages_are_one_line_errors(tmp_path, monkeypatch):
 
 
 def test_tracker_keys_are_grouped():
-    assert [tracker_key(k) for k in ("loss", "tok_per_s", "val_loss", "val_bpb", "hellaswag_acc_norm")] == [  # fmt: skip
-        "train/loss", "train/tok_per_s", "val/loss", "val/bpb", "hellaswag/acc_norm",
-    ]  # fmt: skip
+    keys = ("loss", "tok_per_s", "val_loss", "val_bpb", "hellaswag_acc_norm")
+    grouped_keys = ["train/loss", "train/tok_per_s", "val/loss", "val/bpb", "hellaswag/acc_norm"]
+    assert [tracker_key(k) for k in keys] == grouped_keys
 
 
 def tensorboard_hparams(log_dir) -> dict:

@@ -4,11 +4,13 @@
 (metrics.jsonl, train.log, the console, and optionally TensorBoard and Weights & Biases); the other
 ranks get a NullLogger that does nothing.
 
-Resume keeps every sink to one value per step: metrics.jsonl rows past the checkpoint are dropped
-(`rewind_metrics`; all rows when a run that crashed before its first checkpoint starts over),
-TensorBoard hides the same events (`purge_step`), and W&B continues the same run (its id is kept
-in run.dir/wandb_run_id), where a step it already holds keeps its first value (exact resume
-recomputes the same numbers).
+Resume and a mid-run rollback (`rewind`) keep every sink showing the redone values: metrics.jsonl
+rows past the step are dropped (`rewind_metrics`; all rows when a run that crashed before its first
+checkpoint starts over), TensorBoard hides the same events (a writer reopened with `purge_step`),
+and W&B, whose own step must only increase, plots every metric against `trainer/step` (a custom
+x-axis, `define_metric`): each row is sent with its training step there, so redone steps are sent
+again under their own numbers and the last row for a step is the one that counts. A resumed run
+continues the same W&B run (its id is kept in run.dir/wandb_run_id).
 
 In TensorBoard and W&B the curves are grouped by `tracker_key` (`train/loss`, `val/loss`,
 `hellaswag/acc_norm`, ...) against the step; metrics.jsonl keeps the flat keys. At the end,
@@ -26,6 +28,7 @@ from gptrain.config.sections import OptimConfig, TrainConfig
 from gptrain.errors import UserError
 
 WANDB_ID_FILE = "wandb_run_id"
+WANDB_STEP = "trainer/step"  # W&B's x-axis: the training step (W&B's own step only increases)
 GROUPS = ("val", "hellaswag")  # val_loss -> val/loss, hellaswag_acc -> hellaswag/acc; else train/
 
 
@@ -138,17 +141,13 @@ class RunLogger(NullLogger):
         rewind_metrics(self.dir, -1 if resume_step is None else resume_step)
         self.echo = echo
         self.tb = self.wandb = None
-        self.wandb_step = -1  # the last step W&B holds (its steps must increase)
         self.wandb_run_id = None
         if wandb_project:
             self.wandb = self._start_wandb(wandb_project, config, resume_step, wandb_run_id)
             self.wandb_run_id = self.wandb.id
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             # events of the steps logged again (see above), written before a crash, are hidden
-            purge = 0 if resume_step is None else resume_step + 1
-            self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=purge)
+            self.tb = self._tensorboard(0 if resume_step is None else resume_step + 1)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.textlog = open(self.dir / "train.log", "a", buffering=1)
 
@@ -178,9 +177,16 @@ class RunLogger(NullLogger):
             tmp = id_file.with_name(f".{WANDB_ID_FILE}.tmp")
             tmp.write_text(run.id + "\n")
             os.replace(tmp, id_file)
-        if run_id is not None:
-            self.wandb_step = max(int(getattr(run, "step", 0) or 0) - 1, resume_step)
+        # W&B's own step only increases; the charts' x-axis is the training step, sent in each row
+        run.define_metric(WANDB_STEP)
+        run.define_metric("*", step_metric=WANDB_STEP)
         return run
+
+    def _tensorboard(self, purge_step: int):
+        """A SummaryWriter on run.dir/tb that hides earlier events of steps >= purge_step."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.dir / "tb"), purge_step=purge_step)
 
     def log(self, step: int, metrics: dict) -> None:
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -188,15 +194,19 @@ class RunLogger(NullLogger):
         for key, value in grouped.items():
             if self.tb is not None and isinstance(value, (int, float)):
                 self.tb.add_scalar(key, value, step)
-        if self.wandb is not None and step > self.wandb_step:
-            self.wandb.log(grouped, step=step)
-            self.wandb_step = step
+        if self.wandb is not None:
+            self.wandb.log({WANDB_STEP: step, **grouped})
 
     def rewind(self, step: int) -> None:
-        """Drop metrics.jsonl rows after `step` mid-run (a rollback redoes those steps)."""
+        """A rollback redoes the steps after `step`: metrics.jsonl drops their rows, TensorBoard
+        hides their events (a new writer with purge_step = step + 1); W&B needs nothing (the redone
+        rows are sent under their own `trainer/step`, after the discarded ones)."""
         self.jsonl.close()
         rewind_metrics(self.dir, step)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = self._tensorboard(step + 1)
 
     def scorecard(self, hparams: dict, metrics: dict) -> None:
         """The run's settings with its results: TensorBoard's hparams table (metrics under
