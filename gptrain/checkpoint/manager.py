@@ -114,14 +114,22 @@ class Pending:
         return path
 
 
-def check_async(requested: bool, cfg: DistConfig, info) -> None:
-    """checkpoint.async = true where this run writes full checkpoints (one process under
-    dist.mode = fsdp: nothing is sharded; CheckpointConfig.check refuses ddp) is one line, before anything
-    is written."""
+def background_saves(requested: bool, cfg: DistConfig, info) -> bool:
+    """checkpoint.async, decided once per start: True where this run's checkpoints are sharded
+    (DCP, FSDP2 on 2+ processes) and torch has DCP's async_save; False when not requested; else
+    one line, before anything is written."""
+    import torch
+    import torch.distributed.checkpoint as torch_dcp
+
+    if requested and not hasattr(torch_dcp, "async_save"):
+        raise UserError(
+            f"checkpoint.async = true needs torch.distributed.checkpoint.async_save; this is torch {torch.__version__}: upgrade torch or use checkpoint.async=false"
+        )
     if requested and not shards(cfg, info):
         raise UserError(
-            f"checkpoint.async = true but this run ({info.world_size} process) writes full checkpoints: background saving applies only to the sharded (DCP) checkpoints of FSDP2 runs with 2+ processes; use checkpoint.async=false"
+            f"checkpoint.async = true but this run (dist.mode = {cfg.mode!r}, {info.world_size} process(es)) writes full checkpoints: background saving applies only to the sharded (DCP) checkpoints of FSDP2 runs with 2+ processes; use checkpoint.async=false"
         )
+    return requested
 
 
 def save(

@@ -72,10 +72,6 @@ class Config:
             self.eval.tokens >= t.seq_len,
             f"eval.tokens = {self.eval.tokens} is less than one window of train.seq_len = {t.seq_len}",
         )
-        check(
-            not self.checkpoint.async_ or d.mode == "fsdp",
-            f"checkpoint.async = true with dist.mode = {d.mode!r}: background saving applies only to the sharded (DCP) checkpoints of FSDP2 runs, and a {d.mode} run writes full checkpoints; use checkpoint.async=false (or dist.mode=fsdp)",
-        )
 
 
 SECTIONS = {f.name: f.default_factory for f in fields(Config)}

@@ -287,14 +287,6 @@ class CheckpointConfig:
             r in ("auto", "latest", "none") or r.isdigit(),
             f"checkpoint.resume = {r!r}; allowed: auto, latest, none or a step number",
         )
-        if self.async_:
-            import torch
-            import torch.distributed.checkpoint as dcp
-
-            check(
-                hasattr(dcp, "async_save"),
-                f"checkpoint.async = true needs torch.distributed.checkpoint.async_save (torch >= 2.3); this is torch {torch.__version__}: upgrade torch or use checkpoint.async=false",
-            )
 
 
 @dataclass(frozen=True)

@@ -146,10 +146,11 @@ def resolve(
     model=None,
     autocast=None,
     vocab_size: int = 0,
+    options: list[int] | None = None,
 ) -> tuple[int, int]:
     """(micro-batch, accumulation steps) for this run: plan(), then on CUDA with auto the largest
     candidate that fits on every rank (needs the wrapped model, its autocast and the vocabulary)."""
-    options = candidates(t, info.world_size)
+    options = options or candidates(t, info.world_size)  # `options`: start's, passed on
     mb = options[0]
     if t.micro_batch_size == "auto" and info.device_type == "cuda" and wrapped is not None:
         device = torch.device(info.device)

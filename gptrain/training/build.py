@@ -125,6 +125,7 @@ def build_training(
     compile: bool,
     saved_arch: dict | None = None,
     saved_choices: dict | None = None,
+    micro_batch: int = 0,
 ) -> Built:
     """(model, wrapped, optimizer, compute dtype, autocast, scaler), in this order: the model with
     the same initialisation on every rank (same seed), parallelism applied from outside, then the
@@ -149,7 +150,7 @@ def build_training(
     if info.device_type == "cpu":  # before the timings, so that they see the training's allocator:
         keep_freed_memory()  # no page faults for every step's activations (host.py)
     set_matmul_precision(info.device_type, cfg.train.tf32)  # before the timings and the peak
-    choices = for_run(cfg, info, model, dtype, fsdp, saved_choices)  # timed once per machine
+    choices = for_run(cfg, info, model, dtype, fsdp, saved_choices, micro_batch)  # once per machine
     ptdtype = resolve_dtype(dtype, info.device_type, fsdp, measured=choices.dtype)
     model.set_attention(attention_kernel(cfg.train.attention, choices.attention))
     wrapped = parallelize.wrap_model(

@@ -296,7 +296,9 @@ def _decide_muon(device, s: Shapes, muon_dtype, native: bool, measure, out: Choi
         out.how["muon_dtype"] = "config"
 
 
-def for_run(cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None = None) -> Choices:
+def for_run(
+    cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None = None, mb: int = 0
+) -> Choices:
     """decide() for a run: cfg (a config.Config) and its built `model` give the shapes (the
     micro-batch a CPU uses, the model's block, its Muon matrices), `dtype` is train.dtype (bench
     passes its own), `fsdp` whether it shards. Decided on the main process; every rank gets the
@@ -311,7 +313,7 @@ def for_run(cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None
     c, t, o = model.config, cfg.train, cfg.optim
     muon = o.name == "muon"
     matrices = {tuple(p.shape) for p in muon_split(model, 0.0)[0]} if muon else set()
-    mb = batch.plan(t, info.world_size)[0]  # what a CPU uses, a GPU tries first
+    mb = mb or batch.plan(t, info.world_size)[0]  # what a CPU uses, a GPU tries first
     shapes = Shapes(
         mb,
         t.seq_len,

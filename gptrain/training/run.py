@@ -115,9 +115,9 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
     """Everything before the first step; every input error surfaces here, before any training."""
     dist.check_same_config(to_toml(cfg), info)
     require_packages(cfg.log.tensorboard, cfg.log.wandb)
-    batch.plan(cfg.train, info.world_size)  # a batch that cannot divide fails here
+    options = batch.candidates(cfg.train, info.world_size)  # a batch that cannot divide fails
     c = cfg.checkpoint
-    checkpoint.check_async(c.async_, cfg.dist, info)  # full checkpoints: refused
+    background = checkpoint.background_saves(c.async_, cfg.dist, info)  # checkpoint.async
     # checkpoint.mirror: reachable and writable, or one line now (main process; it alone uploads)
     dist.on_main(info, lambda: checkpoint.configure_mirror(c.mirror, c.keep_last, c.keep_every))
     # data: a prepared folder, or a built-in corpus prepared once per machine
@@ -132,7 +132,8 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
     ckpt, warnings = plan.path, list(plan.warnings)
     saved = dist.from_main(info, lambda: checkpoint.load_meta(ckpt)) if ckpt else {}
     _check_tokenizer(dataset, data_dir, ckpt, saved)
-    run = _build(cfg, info, dataset, ckpt, saved)
+    run = _build(cfg, info, dataset, ckpt, saved, options)
+    run.checkpointer.background = background
     _restore(run, cfg.train.seed, saved)
     if info.is_main:
         run.meter.peak, cached, peak_warnings = cached_peak(info.device, run.ptdtype)
@@ -167,7 +168,7 @@ def _check_tokenizer(dataset: Dataset, data_dir, ckpt, saved: dict) -> None:
         )
 
 
-def _build(cfg: Config, info, dataset: Dataset, ckpt, saved: dict) -> Run:
+def _build(cfg: Config, info, dataset: Dataset, ckpt, saved: dict, options: list[int]) -> Run:
     """The model, optimizer and loader, and the parts that act at the step boundary."""
     t = cfg.train
     built = build_training(
@@ -178,10 +179,11 @@ def _build(cfg: Config, info, dataset: Dataset, ckpt, saved: dict) -> Run:
         t.compile,
         saved_arch=saved.get("model"),
         saved_choices=saved.get("speed_choices"),
+        micro_batch=options[0],
     )
     model, wrapped, optimizer, ptdtype, autocast, scaler = built
     # micro_batch_size = auto on a GPU: the largest candidate that fits (trial steps)
-    mb, accum = batch.resolve(t, info, wrapped, model, autocast, dataset.vocab_size)
+    mb, accum = batch.resolve(t, info, wrapped, model, autocast, dataset.vocab_size, options)
     dist.check_options(cfg.dist, accum, info)
     loader = TrainLoader(  # its cursor counts windows, so any micro-batch resumes exactly
         dataset,

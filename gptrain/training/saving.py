@@ -23,7 +23,7 @@ class Checkpointer:
         self.c, self.run_dir, self.info = c, run_dir, info
         self.model, self.optimizer, self.loader = parts
         self.state, self.meta = state, meta  # meta: what every meta.json records beside counters
-        self.background = c.async_  # checked once at start (checkpoint.manager.check_async)
+        self.background = False  # checkpoint.async, decided at start (background_saves)
         self.logger = None  # the run's logger, set once it exists
         self.best: dict = {}  # best_val_loss / best_val_step so far, recorded in meta.json
         self.pending: checkpoint.Pending | None = None  # a background save not yet published
