@@ -75,6 +75,8 @@ def test_a_budget_run_killed_and_resumed_ends_where_the_uninterrupted_one_does(
     assert lrs(cut) == lrs(full)
     saved = checkpoint.load_state(checkpoint.find(cut))["train_state"]
     assert saved["train_s"] == pytest.approx(6.0)
+    assert run(byte_data, cut, *COMMON)["steps"] == 6  # the budget is spent: nothing more
+    assert "already trained to step 6" in (cut / "train.log").read_text()
 
 
 @pytest.mark.parametrize("bad", ["10", "ten minutes", "-5m", "0s"])

@@ -57,7 +57,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
 
 
 def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption) -> dict:
-    t, budget_s = cfg.train, duration_s(cfg.train.time_budget) if cfg.train.time_budget else None
+    t, budget_s = cfg.train, duration_s(cfg.train.time_budget)  # None: no time budget
     run = phases.start(cfg, info)  # data, resume, model, loader, logger: every bad input fails here
     ledger.started(run.state)
     if (early := _before_loop(run, cfg, preemption, watchdog, ledger)) is not None:
@@ -126,9 +126,10 @@ def _before_loop(run, cfg: Config, preemption: Preemption, watchdog: Watchdog, l
     if run.resumed_from is None and cfg.eval.every > 0:  # curves start at step 0
         due = Due(val=True, hellaswag=run.evaluator.due(0, False).hellaswag)
         run.logger.log(0, {"tokens": 0, **run.evaluate(0, due, watchdog)})
-    if state.step >= cfg.train.max_steps:  # nothing to do: the summary and plot stay as they are
+    t = cfg.train
+    if state.step >= t.max_steps or state.out_of_time(duration_s(t.time_budget)):  # nothing to do
         run.logger.text(
-            f"already trained to step {state.step} (train.max_steps = {cfg.train.max_steps}); raise train.max_steps to continue"
+            f"already trained to step {state.step} (train.max_steps = {t.max_steps}, train.time_budget = {t.time_budget!r}); raise them to continue"
         )
         run.close()
         return _counts(run)
