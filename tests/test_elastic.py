@@ -3,7 +3,9 @@ node counts that cannot divide the global batch are one line before anything sta
 agents with --dist.nnodes=1:2: one is killed with its worker mid-run (a lost node), the other
 re-forms at world size 1 and finishes on the same tokens, within float tolerance of an
 uninterrupted run; the agent started again makes the job save, re-form at world size 2 and go on
-from that very step."""
+from that very step. With a `gptrain store` as the rendezvous store, losing the node started first
+(rank 0's) leaves the other training to the end; without one, losing the node whose agent hosts
+the store ends the other within a bounded time with one line naming that node."""
 
 import json
 import os
@@ -125,8 +127,8 @@ def test_two_loopback_agents_lose_a_node_and_get_it_back(byte_data, tmp_path):
         logs.append(tmp_path / f"agent{len(logs)}.err")
         return forked.Popen(cmd, env=h.env(**env), stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w"), start_new_session=True)  # fmt: skip
 
-    a = agent()  # its agent hosts the rendezvous store: b waits for it (torch's c10d backend
-    b = None  # cannot lose the node that hosts it: on a cluster, that is the endpoint's node)
+    a = agent()  # its agent hosts the rendezvous store: b waits for it (a job without a
+    b = None  # `gptrain store` cannot lose that node: on a cluster, the endpoint's node)
     try:
         b = agent(WAIT_FOR_PORT=port)
         wait_for(lambda: any("checkpoint" in x and "step_00000015" in x for x in log_lines(run_dir)), [a, b], 180)  # fmt: skip
@@ -181,7 +183,10 @@ def short_job(tmp_path: Path, data: Path, endpoint: str, steps: int) -> tuple[Pa
 
 def start_agent(cmd: list[str], err: Path, **env) -> subprocess.Popen:
     """An agent in a session of its own, stderr to a file (an unread pipe blocks it)."""
-    return forked.Popen(cmd, env=h.env(**env), stdout=subprocess.DEVNULL, stderr=open(err, "w"), start_new_session=True)  # fmt: skip
+    out = subprocess.DEVNULL
+    return forked.Popen(
+        cmd, env=h.env(**env), stdout=out, stderr=open(err, "w"), start_new_session=True
+    )
 
 
 def start_store(tmp_path: Path) -> tuple[subprocess.Popen, int]:
@@ -227,7 +232,8 @@ def test_a_store_off_the_nodes_lets_the_job_lose_either_node(byte_data, tmp_path
     resumed = [x for x in log_lines(run_dir) if x.startswith("resumed from")]
     assert len(resumed) == 1 and "world size 1" in resumed[0], resumed
     assert "is_host" not in errs[1].read_text()  # no store trouble on the survivor
-    steps = {json.loads(x).get("step") for x in (run_dir / "metrics.jsonl").read_text().splitlines()}  # fmt: skip
+    records = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = {json.loads(x).get("step") for x in records}
     assert set(range(1, 41)) <= steps
 
 
@@ -257,7 +263,8 @@ def test_losing_the_node_hosting_the_store_is_one_line_naming_it(byte_data, tmp_
     node = f"the agent of node {socket.gethostname()} (pid {a.pid})"
     note = f"the rendezvous store at {endpoint} is hosted by {node}: losing that node ends the job"
     assert note in err, err[-3000:]
-    line = f"gptrain: error: the rendezvous store at {endpoint}, hosted by {node}, the node that started it, is gone"  # fmt: skip
+    line = f"gptrain: error: the rendezvous store at {endpoint}, hosted by {node}, "
+    line += "the node that started it, is gone"
     ends = [x for x in err.splitlines() if x.startswith("gptrain: error: the rendezvous store")]
     assert len(ends) == 1 and ends[0].startswith(line), err[-3000:]
     assert f"gptrain store --port {port}" in ends[0]

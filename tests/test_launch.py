@@ -2,20 +2,32 @@
 asks for (auto, the default: every GPU, 1 without CUDA), and the torch.distributed.run it finds:
 it passes only options that torch accepts (torch 2.11 has no --shutdown-timeout, and an unknown
 option stops torch's launcher with a usage message, exit code 2), and it says how long the
-workers were given to save after a forwarded signal. The launches themselves, signals included,
+workers were given to save after a forwarded signal; who hosts a multi-node job's rendezvous
+store (a `gptrain store`: the agents connect as clients; else this agent, which says so) and the
+one line when that store is gone; `gptrain store` itself. The launches themselves, signals included,
 are tested end to end in test_guard.py and test_elastic.py."""
 
 import argparse
+import os
 import signal
+import socket
+import subprocess
+import sys
+import time
 
+import dist_helpers as h
+import forked
 import pytest
 import torch
 from torch.distributed import run as torch_run
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from gptrain.__main__ import main as cli
 from gptrain.config.sections import DistConfig
 from gptrain.distributed import launch
+from gptrain.distributed import store as rdzv_store
+from gptrain.distributed.runtime import FRESH_STORE
 from gptrain.errors import UserError
 
 
@@ -103,3 +115,117 @@ def test_bad_nproc_per_node_is_one_line_exit_2(bad, capsys):
     assert cli(["train", f"--dist.nproc_per_node={bad}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"gptrain: error: dist.nproc_per_node = {bad!r}; allowed: a whole number >= 1 or auto"]  # fmt: skip
+
+
+def _elastic(monkeypatch, endpoint: str) -> DistConfig:
+    """An elastic DistConfig at endpoint; the variables launch() sets are restored afterwards."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    monkeypatch.setenv(FRESH_STORE, "0")
+    return DistConfig(nnodes="1:2", rdzv_endpoint=endpoint, rdzv_conf="last_call_timeout=5")
+
+
+def test_agents_connect_to_a_gptrain_store_as_clients(monkeypatch, capsys):
+    """A `gptrain store` at the endpoint (here in this process): torch's c10d backend is told not
+    to host the store (is_host=false), and nothing warns about a node that cannot be lost."""
+    store = rdzv_store.serve(0)
+    calls = _launched(monkeypatch)
+    cfg = _elastic(monkeypatch, f"127.0.0.1:{store.port}")
+    assert launch.launch(1, ["--config", "configs/debug.toml"], cfg) == 0
+    assert "--rdzv_conf=last_call_timeout=5,is_host=false" in calls[0]
+    assert capsys.readouterr().err == ""
+
+
+def test_a_store_hosted_by_this_agent_is_marked_and_named(monkeypatch, capsys):
+    """No store at the endpoint, which is this machine: this agent hosts it before torch does
+    (torch's backend shares the server), marks it with this node and says, in one line, that
+    losing this node ends the job and how to avoid it."""
+    port = h.free_port()
+    endpoint = f"127.0.0.1:{port}"
+    seen = []
+    calls = _launched(monkeypatch)
+    real_main = torch_run.main
+    monkeypatch.setattr(
+        torch_run, "main", lambda a: seen.append(rdzv_store.who_hosts(endpoint, 5)) or real_main(a)
+    )
+    assert (
+        launch.launch(1, ["--config", "configs/debug.toml"], _elastic(monkeypatch, endpoint)) == 0
+    )
+    me = rdzv_store.Host(rdzv_store.NODE, socket.gethostname(), os.getpid())
+    assert seen == [me] and not any("is_host" in a for a in calls[0])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"is hosted by {me.text}: losing that node ends the job" in err[0]
+    assert f"run `gptrain store --port {port}` on a stable host" in err[0]
+
+
+def test_a_lost_store_is_one_line_naming_its_host_exit_1(monkeypatch):
+    """The rendezvous fails and the store no longer answers: one line naming the store's address
+    and its host, exit code 1; while the store answers, the rendezvous error stays exit 2."""
+    held = [rdzv_store.serve(0)]
+    port = held[0].port
+    endpoint = f"127.0.0.1:{port}"
+    lost = RendezvousConnectionError("The connection to the C10d store has failed.")
+    _launched(monkeypatch, raises=lost)
+    cfg = _elastic(monkeypatch, endpoint)
+    with pytest.raises(UserError) as e:
+        launch.launch(1, [], cfg)
+    assert e.value.exit_code == 2 and str(e.value).startswith(f"rendezvous at {endpoint} failed")
+    real_main = torch_run.main
+    monkeypatch.setattr(torch_run, "main", lambda a: held.clear() or real_main(a))
+    with pytest.raises(UserError) as e:
+        launch.launch(1, [], cfg)
+    me = rdzv_store.Host(rdzv_store.EXTERNAL, socket.gethostname(), os.getpid())
+    assert e.value.exit_code == 1
+    assert str(e.value) == (
+        f"the rendezvous store at {endpoint}, hosted by {me.text}, is gone ({lost}); "
+        f"start `gptrain store --port {port}` on {me.node} again, then the job"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        ([], "the following arguments are required: --port"),
+        (["--port", "70000"], "--port 70000 is not a TCP port (0 to 65535)"),
+        (["--port", "x"], "argument --port: invalid int value: 'x'"),
+    ],
+)
+def test_bad_store_flags_are_one_line_exit_2(capsys, argv, needle):
+    assert cli(["store", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_store_on_a_taken_port_is_one_line_exit_2(capsys):
+    taken = rdzv_store.serve(0)
+    assert cli(["store", "--port", str(taken.port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot listen on port {taken.port}" in err[0], err
+
+
+def test_store_serves_marked_and_ends_on_sigterm(tmp_path):
+    """`gptrain store --port 0` prints its address once listening, carries its mark and ends
+    with exit code 0 on SIGTERM."""
+    out = tmp_path / "out"
+    p = forked.Popen(
+        [sys.executable, "-m", "gptrain", "store", "--port", "0"],
+        env=h.env(),
+        stdout=open(out, "w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "--dist.rdzv_endpoint=" not in out.read_text() and time.monotonic() < deadline:
+            assert p.poll() is None, out.read_text()
+            time.sleep(0.05)
+        port = int(out.read_text().split("--dist.rdzv_endpoint=")[1].split()[0].rsplit(":", 1)[1])
+        host = rdzv_store.who_hosts(f"127.0.0.1:{port}", 10)
+        assert host == rdzv_store.Host(rdzv_store.EXTERNAL, socket.gethostname(), p.pid)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert (
+        out.read_text().splitlines()[-1]
+        == f"gptrain store: stopped ({socket.gethostname()}:{port})"
+    )
