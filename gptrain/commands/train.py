@@ -73,7 +73,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption
             state.step_begins()
             lr = run.set_lr(cfg.optim, t.max_steps, budget_s)  # by steps, or by time spent
             with faults.in_step(state.step + 1, run.model):  # GPTRAIN_FAULT drills; else nothing
-                loss, grad_norm = run.train_step(cfg.optim.grad_clip)
+                loss, grad_norm = run.train_step(cfg.optim.grad_clip, timed=bool(budget_s))
             state.spikes.record(state.step + 1, loss, grad_norm)  # train.spike: no sync here
             state.advance(t.total_batch_size)
             meter.tick()

@@ -39,7 +39,7 @@ from gptrain.logs.loggers import (
     scorecard_hparams,
     scorecard_metrics,
 )
-from gptrain.logs.mfu import format_duration, format_flops
+from gptrain.logs.mfu import format_duration, format_flops, synchronize
 from gptrain.training import batch
 from gptrain.training.build import build_training
 from gptrain.training.choices import Choices
@@ -74,10 +74,12 @@ class Run:
     choices: Choices  # the measured speed choices (training/choices.py)
     resumed_from: Path | None  # the checkpoint this attempt resumed from
 
-    def train_step(self, grad_clip: float):
-        """One optimizer step of the run's batch; (loss sum, grad norm) as device tensors."""
+    def train_step(self, grad_clip: float, timed: bool = False):
+        """One optimizer step of the run's batch; (loss sum, grad norm) as device tensors.
+        `timed` (train.time_budget): the device finishes the step before it returns, so that the
+        step's time is its device time, not the time to queue it."""
         s = self.state
-        return train_step(
+        out = train_step(
             self.wrapped,
             self.model,
             self.optimizer,
@@ -89,6 +91,9 @@ class Run:
             guard=s.nonfinite,
             step=s.step + 1,
         )
+        if timed:
+            synchronize(self.info.device)
+        return out
 
     def set_lr(self, o: OptimConfig, max_steps: int, budget_s: float | None) -> float:
         """This step's learning rate, set on the optimizer: the schedule read at the step, or

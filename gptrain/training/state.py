@@ -34,6 +34,7 @@ class TrainState:
         self._elapsed_before = 0.0  # loop time of the attempts before this one
         self._started: float | None = None  # when this attempt's loop started
         self._step_began: float | None = None
+        self._last_step_s = 0.0
         self._untimed = 0
 
     def start_clock(self, compiles: bool = False) -> None:
@@ -55,7 +56,8 @@ class TrainState:
         if self._untimed:
             self._untimed -= 1
         elif self._step_began is not None:
-            self.train_s += clock() - self._step_began
+            self._last_step_s = clock() - self._step_began
+            self.train_s += self._last_step_s
         self.step += 1
         self.tokens += tokens
 
@@ -67,7 +69,8 @@ class TrainState:
         return max(float(warmup_steps), min(1.0, self.train_s / budget_s) * (max_steps - 1))
 
     def out_of_time(self, budget_s: float | None) -> bool:
-        return budget_s is not None and self.train_s >= budget_s
+        """Would one more step like the last one end past the budget?"""
+        return budget_s is not None and self.train_s + self._last_step_s > budget_s
 
     def state_dict(self) -> dict:
         return {
@@ -75,6 +78,7 @@ class TrainState:
             "tokens": self.tokens,
             "elapsed_s": self.elapsed(),
             "train_s": self.train_s,
+            "last_step_s": self._last_step_s,
             "skipped": self.nonfinite.count(),
             "rollbacks": self.rollbacks,
             "spikes": self.spikes.state_dict(),
@@ -95,5 +99,6 @@ class TrainState:
         self.spikes.load_state_dict(saved.get("spikes"))
         self._elapsed_before = saved.get("elapsed_s", 0.0)
         self.train_s = saved.get("train_s", 0.0)
+        self._last_step_s = saved.get("last_step_s", 0.0)
         self.rollbacks = saved.get("rollbacks", 0)
         self.wandb_run_id = saved.get("wandb_run_id")
