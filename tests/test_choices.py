@@ -312,6 +312,7 @@ def test_a_resumed_run_keeps_its_checkpoints_choices_untimed(monkeypatch, tmp_pa
     cfg = load_config(None, ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "optim.name=muon", "train.dtype=auto", "train.seq_len=32", "train.micro_batch_size=4", "train.total_batch_size=128"])  # fmt: skip
     model = build_model(cfg, 257)
     saved = {"dtype": "float32", "attention": "matmul", "muon_dtype": "float32"}
+    saved["muon_split"] = "split"
     got = for_run(cfg, DistInfo(), model, "auto", saved=saved)
     assert got.decisions() == saved and set(got.how.values()) == {"checkpoint"}
     got = for_run(cfg, DistInfo(), model, "float32", saved={**saved, "dtype": "bfloat16"})
@@ -407,3 +408,91 @@ def test_a_gpu_too_small_for_the_timing_falls_back_to_the_rule(monkeypatch, dtyp
     assert c.block_ms == {} and len(c.warnings) == 1 and "did not fit" in c.warnings[0]
     with pytest.raises(torch.cuda.OutOfMemoryError):  # on a CPU, running out of memory is no choice
         decide("cpu", TINY, "float32", "auto", None, timer=oom, cache_path=None)
+
+
+def _split_setup(**optim):
+    """A tiny Muon model's config, its Muon matrices and a Choices with its Muon dtype."""
+    from gptrain.config.load import load_config
+    from gptrain.training.build import build_model
+    from gptrain.training.choices import Choices
+    from gptrain.training.optim import muon_split
+
+    model_keys = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "optim.name=muon"]
+    train_keys = ["train.seq_len=32", "train.micro_batch_size=4", "train.total_batch_size=256"]
+    extra = [f"optim.{k}={v}" for k, v in optim.items()]
+    cfg = load_config(None, model_keys + train_keys + extra)
+    model = build_model(cfg, 257)
+    out = Choices(dtype="float32", attention="sdpa", muon_dtype="float32")
+    return cfg, model, muon_split(model, 0.0)[0], out
+
+
+def _no_timing(*args, **kwargs):
+    raise AssertionError("timed a candidate")
+
+
+@pytest.mark.parametrize(
+    "split_s, redundant_s, want",
+    [(1.0, 0.5, "redundant"), (1.0, 1.0 - MARGIN / 2, "split"), (0.5, 1.0, "split")],
+)
+def test_muon_split_follows_the_timer_at_two_ranks(tmp_path, split_s, redundant_s, want):
+    """DDP at 2 ranks: the Muon step timed split vs redundant in two rounds; split unless
+    redundant is clearly faster (a tie keeps split); shown in the speed-choice line."""
+    from gptrain.distributed.runtime import DistInfo
+    from gptrain.training.choices import decide_muon_split
+
+    cfg, _, matrices, out = _split_setup()
+    timer = FakeTimer()
+    timer.times = {"muon-split/split": split_s, "muon-split/redundant": redundant_s}
+    info, cache = DistInfo(world_size=2), tmp_path / "c.json"
+    got = decide_muon_split(
+        info, matrices, cfg.optim, out, False, None, timer=timer, cache_path=cache
+    )
+    assert got[:2] == (want, "measured")
+    assert timer.calls == twice(["muon-split/split", "muon-split/redundant"])
+    out.muon_split, out.how["muon_split"], out.split_ms = got
+    out.how.update(dtype="config", attention="config", muon_dtype="config")
+    assert f"optim.muon_split={want} (measured) [a Muon step's orthogonalisations" in out.line()
+
+
+def test_the_muon_split_cache_key_includes_the_world_size(tmp_path):
+    """A second start at the same world size reads the cache (times nothing); another world size
+    times again, under its own key."""
+    from gptrain.distributed.runtime import DistInfo
+    from gptrain.training.choices import decide_muon_split
+
+    cfg, _, matrices, out = _split_setup()
+    cache = tmp_path / "c.json"
+    timer = FakeTimer()
+    timer.times = {"muon-split/split": 1.0, "muon-split/redundant": 0.5}
+    args = (matrices, cfg.optim, out, False, None)
+    decide_muon_split(DistInfo(world_size=2), *args, timer=timer, cache_path=cache)
+    got = decide_muon_split(DistInfo(world_size=2), *args, timer=_no_timing, cache_path=cache)
+    assert got[:2] == ("redundant", "cached") and got[2]["redundant"] == 500.0
+    timer.calls.clear()
+    got = decide_muon_split(DistInfo(world_size=3), *args, timer=timer, cache_path=cache)
+    assert got[1] == "measured" and len(timer.calls) == 4
+    keys = [k for k in json.loads(cache.read_text())["entries"] if k.startswith("muon-split|")]
+    assert sorted(json.loads(k.rsplit("|", 1)[1])[0] for k in keys) == [2, 3]
+
+
+def test_muon_split_untimed_at_one_process_under_fsdp_explicit_or_resumed(monkeypatch, tmp_path):
+    """for_run times no Muon step at 1 process (split, by rule), under FSDP2 (split) or with an
+    explicit value; a resumed run keeps its recorded choice (how: checkpoint) and records it."""
+    from gptrain.distributed.runtime import DistInfo
+    from gptrain.training import timing
+    from gptrain.training.choices import for_run
+
+    monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(timing.Lockstep, "__call__", _no_timing)
+    cfg, model, _, _ = _split_setup(muon_dtype="float32")
+    saved = {"dtype": "float32", "attention": "sdpa", "muon_dtype": "float32"}
+    got = for_run(cfg, DistInfo(), model, "auto", saved=saved)
+    assert got.muon_split == "split" and got.how["muon_split"].startswith("rule: one process")
+    got = for_run(cfg, DistInfo(world_size=2), model, "auto", fsdp=True, saved=saved)
+    assert got.muon_split == "split" and got.how["muon_split"].startswith("rule: FSDP2")
+    resumed = {**saved, "muon_split": "redundant"}
+    got = for_run(cfg, DistInfo(world_size=2), model, "auto", saved=resumed)
+    assert got.decisions() == resumed and got.how["muon_split"] == "checkpoint"
+    cfg, model, _, _ = _split_setup(muon_dtype="float32", muon_split="redundant")
+    got = for_run(cfg, DistInfo(world_size=2), model, "auto", saved=saved)
+    assert got.muon_split == "redundant" and got.how["muon_split"] == "config"

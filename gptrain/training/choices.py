@@ -1,5 +1,6 @@
-"""Measured speed choices: `train.dtype = auto`, `train.attention = auto` and `optim.muon_dtype =
-auto`, decided by timing this run's own shapes on this device at start-up, cached per machine.
+"""Measured speed choices: `train.dtype = auto`, `train.attention = auto`, `optim.muon_dtype =
+auto` and `optim.muon_split = auto`, decided by timing this run's own shapes on this device at
+start-up, cached per machine.
 
 What is timed (only what the config leaves to auto; an explicit value always wins, untimed):
 
@@ -18,18 +19,24 @@ What is timed (only what the config leaves to auto; an explicit value always win
   memory even so keeps the rule, with a warning; matmul is a candidate only while the
   probabilities it keeps for backward, for all layers, stay under MATMUL_MEMORY.
 - muon: one Newton-Schulz orthogonalisation of each distinct Muon matrix shape, bf16 vs float32.
+- muon-split (DDP with 2+ ranks only): one Muon step's orthogonalisations of all the run's Muon
+  matrices in the chosen Muon dtype, every rank all of them (redundant) vs each on its owner rank
+  and broadcast (split), timed on every rank at once; split unless redundant is clearly faster
+  (it keeps the replicas byte-identical). Cached per machine, world size, backend and matrices.
 
 How a candidate is timed and how timings are cached: training/timing.py."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from gptrain.distributed import parallelize
 from gptrain.errors import UserError
 from gptrain.training.precision import (
     DTYPES,
@@ -38,14 +45,15 @@ from gptrain.training.precision import (
     resolve_dtype,
 )
 from gptrain.training.timing import (
-    CROWDED,
     Clock,
+    Lockstep,
     Timings,
     block_flops,
     block_run,
     default_cache_path,
     machine,
     matmul_run,
+    muon_step_run,
     newton_schulz_run,
 )
 
@@ -60,6 +68,7 @@ BLOCK_FLOPS = 8e9  # CPU: the most FLOPs one timed block run may take (~60 ms in
 # memory: GPT-2 124M's block at 64 x 1024 tokens would hold ~7 GB of float32 activations
 GPU_BLOCK_FLOPS = 2e12
 MATMUL_MEMORY = 2**30  # bytes of probabilities matmul attention may keep for backward
+SPLIT = "muon-split"  # the cache's kind of the Muon step's timings, split vs redundant
 
 
 @dataclass(frozen=True)
@@ -84,10 +93,12 @@ class Choices:
     dtype: str
     attention: str
     muon_dtype: str | None  # None: the run has no Muon
+    muon_split: str | None = None  # split or redundant; None: the run has no Muon
     how: dict = field(default_factory=dict)
     block_ms: dict = field(default_factory=dict)  # "dtype/kernel" -> ms per forward + backward
     block_tokens: tuple = ()  # (sequences, seq_len) of the timed block
     muon_ms: dict = field(default_factory=dict)  # dtype -> ms for one matrix of each shape
+    split_ms: dict = field(default_factory=dict)  # split/redundant -> ms of a Muon step's work
     bf16_ratio: float | None = None  # bf16 / float32 matmul time (None: not probed)
     seconds: float = 0.0  # wall time spent deciding
     warnings: list = field(default_factory=list)
@@ -98,7 +109,8 @@ class Choices:
 
     def decisions(self) -> dict:
         """What a checkpoint records, so that a resumed run computes the same way."""
-        return {"dtype": self.dtype, "attention": self.attention, "muon_dtype": self.muon_dtype}
+        keys = ("dtype", "attention", "muon_dtype", "muon_split")
+        return {k: getattr(self, k) for k in keys}
 
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "warnings"}
@@ -118,6 +130,11 @@ class Choices:
             parts.append(f"optim.muon_dtype={self.muon_dtype} ({self.how['muon_dtype']})")
             if self.muon_ms:
                 parts[-1] += f" [orthogonalising one matrix of each shape: {ms(self.muon_ms)}]"
+        if self.muon_split:
+            parts.append(f"optim.muon_split={self.muon_split} ({self.how['muon_split']})")
+            if self.split_ms:
+                times = ms(self.split_ms)
+                parts[-1] += f" [a Muon step's orthogonalisations, slowest rank: {times}]"
         if self.bf16_ratio is not None:
             parts.append(f"bf16 matmul {self.bf16_ratio:.2g}x float32's time")
         return f"speed choices in {self.seconds:.2f} s: " + ", ".join(parts)
@@ -174,21 +191,9 @@ def decide(
     _decide_muon(device, shapes, muon_dtype, native, measure, out, no_bf16)
     if measure.hits and all(measure.hits):
         out.how = {k: v.replace("measured", "cached") for k, v in out.how.items()}
-    _save_timings(measure, timer, cuda, warnings)
+    measure.save_unless_crowded(timer, cuda)
     out.seconds = time.perf_counter() - start
     return out
-
-
-def _save_timings(measure, timer, cuda: bool, warnings: list) -> None:
-    """Cache the timings, unless other processes took CPU cores from this one while it timed
-    (then they are used, not cached, with a warning)."""
-    crowding = timer.crowding() if hasattr(timer, "crowding") and not cuda else 0.0
-    if measure.dirty and crowding > CROWDED:
-        warnings.append(
-            f"other processes took {crowding:.1f} CPU cores from this one while it timed its speed choices: used, not cached"
-        )
-    else:
-        measure.save()
 
 
 def _bf16_native(device: str, cuda: bool, wants_bf16: bool, measure, out: Choices) -> bool:
@@ -343,7 +348,67 @@ def for_run(
         out.how.update(dict.fromkeys(kept, "checkpoint"))
         return out
 
-    return dist.from_main(info, choose)
+    out = dist.from_main(info, choose)
+    if muon:
+        start = time.perf_counter()
+        split = decide_muon_split(info, muon_split(model, 0.0)[0], o, out, fsdp, saved)
+        out.muon_split, out.how["muon_split"], out.split_ms = split
+        out.seconds += time.perf_counter() - start
+    return out
+
+
+def decide_muon_split(
+    info,
+    matrices: list,
+    o,
+    out: Choices,
+    fsdp: bool,
+    saved: dict | None,
+    *,
+    timer=None,
+    cache_path=True,
+) -> tuple[str, str, dict]:
+    """optim.muon_split (o: the OptimConfig) for the Muon `matrices`: (choice, how, {mode: ms}),
+    the same on every rank (warnings into out.warnings). Untimed: FSDP2 (always split), an explicit
+    value, a resumed run's recorded choice (`saved`, Choices.decisions()), one process (the same code either way: split). Else, under DDP, one
+    Muon step's orthogonalisations (in out.muon_dtype) timed redundant vs split on every rank at
+    once (timing.Lockstep; `timer` replaces it), split unless redundant is clearly faster, cached
+    per machine, world size, backend and matrices (a cache hit times nothing); the main process's
+    decision is sent to every rank."""
+    from gptrain.distributed import runtime as dist
+
+    if fsdp:
+        return "split", "rule: FSDP2 always splits", {}
+    if o.muon_split != "auto":
+        return o.muon_split, "config", {}
+    if (saved or {}).get("muon_split"):
+        return saved["muon_split"], "checkpoint", {}
+    if info.world_size == 1:
+        return "split", "rule: one process, the same code", {}
+    counts = Counter(tuple(p.shape) for p in matrices)
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
+    shape = [info.world_size, backend, sorted([*k, n] for k, n in counts.items())]
+    shape += [o.muon_ns_steps, out.muon_dtype]
+    path = default_cache_path() if cache_path is True else (cache_path or None)
+    where = f"{machine(info.device)}|torch {torch.__version__}"
+    names = ["split", "redundant"]  # split first: it wins a tie
+    cached = dist.from_main(
+        info, lambda: Timings(path, where, None, []).lookup(SPLIT, shape, names)
+    )
+    warnings, times = out.warnings, cached
+    if times is None:  # every rank times, in lockstep
+        timer = timer or Lockstep(parallelize.replica_group())
+        run = partial(muon_step_run, matrices, o.muon_ns_steps, out.muon_dtype)
+        makes = {m: partial(run, m == "split") for m in names}
+        times = Timings(None, where, timer, warnings)(SPLIT, shape, makes, rounds=2)
+        cuda = info.device.startswith("cuda")
+        cache = partial(Timings, path, where, None, warnings)  # read and written on main only
+        dist.on_main(
+            info, lambda: cache().put(SPLIT, shape, times).save_unless_crowded(timer, cuda)
+        )
+    choice = dist.broadcast_from_main(_pick(times, names))
+    how = "cached" if cached else "measured"
+    return choice, how, {m: t * 1e3 for m, t in times.items()}
 
 
 def _pick(times: dict, order: list, margin: float = MARGIN) -> str:

@@ -7,7 +7,7 @@ LayerNorm parameters: optim.weight_decay to AdamW's matrices, optim.muon_weight_
 FSDP2 (DTensor parameters report their global shape); Muon (ours, gptrain/training/muon.py:
 torch.optim.Muon's update with the orthogonalisation in a dtype chosen for the device)
 orthogonalises each whole matrix once per step on one owner rank under FSDP2, and under DDP too
-with optim.muon_split = split (`muon_splits`).
+with optim.muon_split = split, or auto where the split was measured faster (`muon_splits`).
 """
 
 from __future__ import annotations
@@ -97,7 +97,11 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, device_type: str, muon_dtype: torch.dtype | None = None
+    model: nn.Module,
+    cfg: OptimConfig,
+    device_type: str,
+    muon_dtype: torch.dtype | None = None,
+    split_choice: str | None = None,
 ) -> torch.optim.Optimizer:
     """cfg.name = adamw: AdamW(betas=(beta1, beta2), eps) over param_groups, with the fused
     kernel on CUDA and CPU (on a CPU 5-10x faster than foreach: one pass over each parameter
@@ -105,7 +109,8 @@ def build_optimizer(
     where), decaying the Muon matrices by cfg.muon_weight_decay and AdamW's by cfg.weight_decay,
     orthogonalising in `muon_dtype` (the run's measured choice, gptrain/training/choices.py;
     None: cfg.muon_dtype when explicit, else bf16, what torch.optim.Muon does), each matrix on
-    one owner rank under FSDP2, and under DDP as cfg.muon_split says (muon_splits)."""
+    one owner rank under FSDP2, and under DDP as `split_choice` says (the run's measured choice,
+    Choices.muon_split; None: cfg.muon_split's rule, muon_splits)."""
     fused = device_type in ("cuda", "cpu")
     adamw = dict(
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused
@@ -123,7 +128,7 @@ def build_optimizer(
     if muon_dtype is None:
         muon_dtype = torch.float32 if cfg.muon_dtype == "float32" else torch.bfloat16
     check_muon_layout(model, muon_params)
-    split = muon_splits(cfg.muon_split)
+    split = muon_splits(split_choice or cfg.muon_split)
     return MuonAdamW(
         muon_params, groups, muon=muon, adamw=adamw, muon_dtype=muon_dtype, muon_split=split
     )
@@ -131,9 +136,10 @@ def build_optimizer(
 
 def muon_splits(choice: str) -> bool:
     """optim.muon_split: does each DDP rank orthogonalise only the matrices it owns and receive
-    the others' (split), or every matrix itself (redundant)? auto: split, measured faster at 2
-    ranks and equal at 1 (docs/distributed.md, "Muon under FSDP2 and DDP"). FSDP2 always splits:
-    no rank holds a whole matrix."""
+    the others' (split), or every matrix itself (redundant)? auto, where nothing measured it
+    (choices.decide_muon_split does under DDP): split, faster on 2 CPU ranks and the same code at
+    1 (docs/distributed.md, "Muon under FSDP2 and DDP"). FSDP2 always splits: no rank holds a
+    whole matrix."""
     return choice != "redundant"
 
 

@@ -11,6 +11,8 @@ timings and 2 x (4 + 2) candidate timings the start-up stays under ~3 s on 2 cor
 is the first (float32 before bf16) within choices.MARGIN of the fastest: closer than that is
 timing noise, and precision should not be given up for noise; the attention kernel of that dtype
 is the first (sdpa before matmul) within the smaller KERNEL_MARGIN, as both are equally accurate.
+The Muon step split over DDP ranks communicates, so it is timed by `Lockstep` on every rank at
+once (a fixed number of runs, the max over the ranks), in two rounds like the block.
 
 The timings are cached as JSON in cache_dir()/speed_choices.json, keyed by the machine (CPU model
 name, torch's CPU capability, ONEDNN_MAX_CPU_ISA and threads; or the GPU's name), the torch
@@ -36,11 +38,12 @@ import torch
 
 from gptrain.cache import cache_dir
 from gptrain.logs.mfu import measure_peak_flops, synchronize
-from gptrain.training.muon import orthogonalise
+from gptrain.training.muon import EPS, NS_COEFFICIENTS, _Plan, orthogonalise
 from gptrain.training.precision import DTYPES, mixed_precision
 
 CANDIDATE_S, BUDGET_S, MAX_RUNS, STOP_FACTOR = 0.4, 2.5, 5, 2.0
 _DTYPES = ("float32", "bfloat16", "float16")
+LOCKSTEP_RUNS = 3  # timed runs of each candidate that communicates (Lockstep)
 CROWDED = 0.5  # cores other processes may take from this one's threads while it times
 # the workloads below take `s`, the run's choices.Shapes (micro_batch, seq_len, n_embd, n_head,
 # gelu, bias, muon matrix shapes, ns_steps)
@@ -55,6 +58,7 @@ NAMES = {  # every candidate name a cache entry of each kind may hold
     "bf16-probe": {"float32", "bfloat16"},
     "block": {f"{d}/{k}" for d in _DTYPES for k in ("sdpa", "matmul")},
     "muon": {"float32", "bfloat16"},
+    "muon-split": {"split", "redundant"},
     "peak": set(_DTYPES),  # not seconds: the measured peak FLOP/s of that dtype
 }
 
@@ -86,6 +90,43 @@ class Clock:
                 break
         self.total += spent
         return best
+
+
+class Lockstep:
+    """Timing of a candidate that communicates, the same on every rank of `group`: one warm-up,
+    then `runs` timed runs (none where the slowest rank's warm-up took over CANDIDATE_S: then that
+    warm-up is the timing), each started together (a one-element all-reduce), the best of each
+    rank's runs, then the max over the ranks (the step waits for the slowest). Every rank makes the
+    same calls in the same order, so no collective of a candidate waits on a rank that stopped;
+    each is bounded by the group's time-out (dist.timeout_s)."""
+
+    def __init__(self, group, runs: int = LOCKSTEP_RUNS, candidate_s: float = CANDIDATE_S):
+        self.group, self.runs, self.candidate_s = group, runs, candidate_s
+        self.cpu = cpu_now()
+
+    def crowding(self) -> float:
+        return crowding_since(self.cpu)
+
+    def _max(self, seconds: float) -> float:
+        import torch.distributed as dist
+
+        t = torch.tensor([seconds], dtype=torch.float64)  # CPU: gloo, also beside nccl
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.item()
+
+    def __call__(self, label: str, fn, rival: float = math.inf) -> float:
+        t0 = time.perf_counter()
+        fn()
+        warm = self._max(time.perf_counter() - t0)
+        if warm > self.candidate_s:
+            return warm
+        best = math.inf
+        for _ in range(self.runs):
+            self._max(0.0)  # start together
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return self._max(best)
 
 
 def machine(device: str) -> str:
@@ -133,7 +174,7 @@ class Timings:
         the candidates to time are timed twice, in order and then in reverse, each keeping its
         better timing: a burst of load from elsewhere (a shared machine's neighbours) then slows
         one of each candidate's timings, not the whole of one candidate's."""
-        key = f"{kind}|{self.where}|{json.dumps(shape)}"
+        key = self.key(kind, shape)
         known = self.entries.get(key, {})
         if not (
             isinstance(known, dict)
@@ -160,6 +201,33 @@ class Timings:
         if missing:
             self.entries[key], self.dirty = known, True
         return {c: known[c] for c in candidates}
+
+    def key(self, kind: str, shape) -> str:
+        return f"{kind}|{self.where}|{json.dumps(shape)}"
+
+    def lookup(self, kind: str, shape, names) -> dict | None:
+        """The cached {name: seconds} of every one of `names`, or None (a missing or damaged entry)."""
+        known = self.entries.get(self.key(kind, shape))
+        if not isinstance(known, dict):
+            return None
+        ok = all(isinstance(known.get(n), float) and 0 < known[n] < math.inf for n in names)
+        return {n: known[n] for n in names} if ok else None
+
+    def put(self, kind: str, shape, times: dict) -> Timings:
+        """Record timings taken elsewhere (save() writes them)."""
+        self.entries[self.key(kind, shape)], self.dirty = dict(times), True
+        return self
+
+    def save_unless_crowded(self, timer, cuda: bool) -> None:
+        """save(), unless other processes took CPU cores from this one while `timer` timed (then
+        the timings are used, not cached, with a warning)."""
+        crowding = timer.crowding() if hasattr(timer, "crowding") and not cuda else 0.0
+        if self.dirty and crowding > CROWDED:
+            self.warnings.append(
+                f"other processes took {crowding:.1f} CPU cores from this one while it timed its speed choices: used, not cached"
+            )
+        else:
+            self.save()
 
     def save(self) -> None:
         if self.path is None or not self.dirty:
@@ -252,6 +320,21 @@ def newton_schulz_run(device: str, s, dtype: str):
         [orthogonalise(g, s.ns_steps, DTYPES[dtype]) for g in mats],
         synchronize(device),
     )
+
+
+def muon_step_run(matrices: list, steps: int, dtype: str, split: bool):
+    """The run of one Muon step's orthogonalisations of `matrices` (the run's Muon parameters,
+    only read: their shapes decide the owners) in `dtype`: each rank all of them (split False), or
+    each matrix on its owner rank and broadcast to the others (split True, 2+ processes)."""
+    device = str(matrices[0].device)
+    plan = _Plan(matrices, [steps] * len(matrices), split)
+    gen = _generator(device)
+    shapes = sorted({tuple(p.shape) for p in matrices})
+    one = {s: torch.randn(s, device=device, generator=gen) for s in shapes}
+    group = {"ns_steps": steps, "ns_coefficients": NS_COEFFICIENTS, "eps": EPS}
+    work = [(p, group) for p in matrices]
+    updates = [one[tuple(p.shape)] for p in matrices]  # read, never written
+    return lambda: (plan.orthogonalise(work, updates, DTYPES[dtype]), synchronize(device))
 
 
 def block_run(device: str, s, n: int, combo: str):
