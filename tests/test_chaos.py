@@ -1,8 +1,8 @@
-"""The chaos drill (benchmarks/chaos.py), short: a 2-rank DDP run with Muon (and AdamW for the
-rest), 30 steps, killed while a checkpoint is written, killed in an evaluation, failing to publish
-a checkpoint, then handed off to one process; the weights, optimizer state (AdamW moments, Muon
-momentum) and data cursor equal an uninterrupted 2-rank run's bit for bit at the hand-off and
-within the cross-world-size tolerance at the end."""
+"""The chaos drill (benchmarks/chaos.py), short: a 2-rank run with Muon (and AdamW for the rest),
+DDP (full checkpoints) and FSDP2 (sharded ones), 30 steps, killed in an evaluation, failing to
+publish a checkpoint, killed while a checkpoint is written, then handed off to one process; the
+weights, optimizer state (AdamW moments, Muon momentum) and data cursor equal an uninterrupted
+2-rank run's bit for bit at the hand-off and within the cross-world-size tolerance at the end."""
 
 import sys
 
@@ -15,11 +15,12 @@ import chaos  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_chaos_drill_kill_in_save_and_eval_failed_publish_other_world_size(
-    byte_data, tmp_path, monkeypatch
+    byte_data, tmp_path, monkeypatch, mode
 ):
     monkeypatch.setattr(chaos, "launch", forked.Popen)
-    run = chaos.Run(byte_data, steps=30, mode="ddp", optim="muon")
+    run = chaos.Run(byte_data, steps=30, mode=mode, optim="muon")
     lines = []
     ok = chaos.drill(run, 0, 1, tmp_path, echo=lines.append)
     assert ok, lines
