@@ -164,7 +164,11 @@ def build_training(
     if on_meta:  # the same RNG state as build_model's init_weights above: nothing drew since
         init_sharded(model, info.device)
     optimizer = build_optimizer(
-        model, cfg.optim, device_type=info.device_type, muon_dtype=choices.muon_torch_dtype
+        model,
+        cfg.optim,
+        device_type=info.device_type,
+        muon_dtype=choices.muon_torch_dtype,
+        split_choice=choices.muon_split,
     )
     autocast, scaler = mixed_precision(ptdtype, info.device_type)
     return Built((model, wrapped, optimizer, ptdtype, autocast, scaler), choices)
