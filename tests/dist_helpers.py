@@ -273,3 +273,21 @@ if __name__ == "__main__":
     from gptrain.__main__ import exit_quickly
 
     exit_quickly(0)
+
+
+def checkpoint_tensors(run_dir) -> dict:
+    """The newest checkpoint's weights; under FSDP2 its optimizer tensors too, else the data
+    cursor (as a tensor): what two runs that should end alike are compared by."""
+    import torch
+
+    from gptrain.checkpoint import dcp as sharded
+    from gptrain.checkpoint import manager as checkpoint
+
+    path = checkpoint.find(run_dir)
+    meta = checkpoint.load_meta(path)
+    out = checkpoint.load_model_state(path)[0]
+    if meta.get("layout") == sharded.LAYOUT:
+        out.update({f"optim.{k}": v for k, v in sharded.load_full(path, meta, "optim.").items()})
+    else:
+        out["data"] = torch.tensor(checkpoint.load_state(path)["data"]["windows_consumed"])
+    return out

@@ -11,7 +11,6 @@ import dist_helpers as h
 import pytest
 import torch
 
-from gptrain.checkpoint import dcp as sharded
 from gptrain.checkpoint import manager as checkpoint
 
 pytestmark = pytest.mark.slow
@@ -24,15 +23,6 @@ MODES = {"ddp": ["--dist.mode=ddp"], "fsdp": ["--dist.mode=fsdp", "--checkpoint.
 def args(byte_data, run_dir, mode):
     cmd = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}"]
     return [*cmd, f"--run.dir={run_dir}", *MODES[mode], *COMMON]
-
-
-def state(run_dir) -> dict:
-    path = checkpoint.find(run_dir)
-    meta = checkpoint.load_meta(path)
-    out = checkpoint.load_model_state(path)[0]
-    if meta.get("layout") == sharded.LAYOUT:
-        out.update({f"optim.{k}": v for k, v in sharded.load_full(path, meta, "optim.").items()})
-    return out
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -48,7 +38,7 @@ def test_a_failed_evaluation_keeps_the_checkpoint_saved_before_it(byte_data, tmp
     assert checkpoint.latest(run_dir).name == "step_00000004"
     assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # nothing half-made
     h.check_ok(h.wait_all(h.spawn(args(byte_data, run_dir, mode)), h.TIMEOUT))
-    a, b = state(full), state(run_dir)
+    a, b = h.checkpoint_tensors(full), h.checkpoint_tensors(run_dir)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -11,7 +11,6 @@ import dist_helpers as h
 import pytest
 import torch
 
-from gptrain.checkpoint import dcp as sharded
 from gptrain.checkpoint import manager as checkpoint
 
 pytestmark = pytest.mark.slow
@@ -35,18 +34,6 @@ def uninterrupted(byte_data, tmp_path_factory):
     for mode in ("ddp", "fsdp"):
         h.check_ok(h.wait_all(h.spawn(args(byte_data, root / mode, mode)), h.TIMEOUT))
     return {mode: root / mode for mode in ("ddp", "fsdp")}
-
-
-def state(run_dir) -> dict:
-    """The newest checkpoint's weights, and under FSDP2 its optimizer tensors too."""
-    path = checkpoint.find(run_dir)
-    meta = checkpoint.load_meta(path)
-    out = checkpoint.load_model_state(path)[0]
-    if meta.get("layout") == sharded.LAYOUT:
-        out.update({f"optim.{k}": v for k, v in sharded.load_full(path, meta, "optim.").items()})
-    else:
-        out["data"] = torch.tensor(checkpoint.load_state(path)["data"]["windows_consumed"])
-    return out
 
 
 @pytest.mark.parametrize(
@@ -80,7 +67,7 @@ def test_a_failed_publish_ends_every_rank_and_keeps_the_previous_checkpoint(
     assert checkpoint.latest(run_dir).name == "step_00000002"
     assert checkpoint.problem(root / "step_00000002") is None
     h.check_ok(h.wait_all(h.spawn(args(byte_data, run_dir, mode)), h.TIMEOUT))
-    a, b = state(uninterrupted[mode]), state(run_dir)
+    a, b = h.checkpoint_tensors(uninterrupted[mode]), h.checkpoint_tensors(run_dir)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k

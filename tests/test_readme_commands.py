@@ -47,7 +47,7 @@ def training_commands(path: Path) -> list[tuple[str, list[str], dict]]:
     return found
 
 
-def world_size(argv: list[str], env: dict) -> tuple[int, str | None, list[str]]:
+def world_size(argv: list[str], env: dict) -> tuple[list[int], str | None, list[str]]:
     """(world size, config file, gptrain overrides) of one command line."""
     nproc, nnodes, config, overrides = "1", "1", None, []
     train_at = argv.index("train")
@@ -74,7 +74,8 @@ def world_size(argv: list[str], env: dict) -> tuple[int, str | None, list[str]]:
                 nnodes = o.split("=", 1)[1]
     nnodes = env.get(nnodes.removeprefix("$"), nnodes)
     nproc = GPUS_PER_NODE_FOR_AUTO if nproc == "auto" else int(nproc)
-    return nproc * int(nnodes), config, overrides
+    low, _, high = str(nnodes).partition(":")  # elastic MIN:MAX: every node count in between
+    return [nproc * n for n in range(int(low), int(high or low) + 1)], config, overrides
 
 
 DOCS = sorted((REPO / "docs").glob("*.md"))
@@ -89,7 +90,7 @@ COMMANDS = [(p, *c) for p in SOURCES for c in training_commands(p)]
 
 def test_the_readme_shows_the_commands_this_test_checks():
     readme = [c for c in COMMANDS if c[0].name == "README.md"]
-    worlds = {world_size(argv, env)[0] for _, _, argv, env in readme}
+    worlds = {w for _, _, argv, env in readme for w in world_size(argv, env)[0]}
     assert len(readme) >= 8 and {1, 8, 16, 32} <= worlds, worlds  # laptop, 8 GPUs, 2 and 4 nodes
 
 
@@ -98,7 +99,7 @@ def test_the_docs_show_the_commands_this_test_checks():
     guide's commands cover 8 GPUs, 2 nodes and a 4-node Slurm job."""
     assert REPO / "docs" / "distributed.md" in DOCS, DOCS
     guide = [c for c in COMMANDS if c[0].name == "distributed.md"]
-    worlds = {world_size(argv, env)[0] for _, _, argv, env in guide}
+    worlds = {w for _, _, argv, env in guide for w in world_size(argv, env)[0]}
     assert len(guide) >= 6 and {8, 16, 32} <= worlds, worlds
 
 
@@ -107,8 +108,9 @@ def test_the_docs_show_the_commands_this_test_checks():
 )
 def test_command_is_valid_for_its_world_size(source, line, argv, env, monkeypatch):
     monkeypatch.chdir(REPO)  # config paths are relative to the checkout
-    world, config, overrides = world_size(argv, env)
+    worlds, config, overrides = world_size(argv, env)
     cfg = load_config(config, overrides)  # a UserError (bad key or value) fails the test
-    mb, accum = batch.plan(cfg.train, world)  # a batch that does not divide fails the test
-    t = cfg.train
-    assert mb * t.seq_len * world * accum == t.total_batch_size, line
+    for world in worlds:  # a batch that does not divide fails the test
+        mb, accum = batch.plan(cfg.train, world)
+        t = cfg.train
+        assert mb * t.seq_len * world * accum == t.total_batch_size, (line, world)
