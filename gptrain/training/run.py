@@ -137,8 +137,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
     ckpt, warnings = plan.path, list(plan.warnings)
     saved = dist.from_main(info, lambda: checkpoint.load_meta(ckpt)) if ckpt else {}
     _check_tokenizer(dataset, data_dir, ckpt, saved)
-    run = _build(cfg, info, dataset, ckpt, saved, options)
-    run.checkpointer.background = background
+    run = _build(cfg, info, dataset, ckpt, saved, options, background)
     _restore(run, cfg.train.seed, saved)
     if info.is_main:
         run.meter.peak, cached, peak_warnings = cached_peak(info.device, run.ptdtype)
@@ -173,7 +172,9 @@ def _check_tokenizer(dataset: Dataset, data_dir, ckpt, saved: dict) -> None:
         )
 
 
-def _build(cfg: Config, info, dataset: Dataset, ckpt, saved: dict, options: list[int]) -> Run:
+def _build(
+    cfg: Config, info, dataset: Dataset, ckpt, saved: dict, options: list[int], background: bool
+) -> Run:
     """The model, optimizer and loader, and the parts that act at the step boundary."""
     t = cfg.train
     built = build_training(
@@ -225,9 +226,8 @@ def _build(cfg: Config, info, dataset: Dataset, ckpt, saved: dict, options: list
         e.hellaswag, e.hellaswag_limit, tokenizer, model.config.block_size, mb * t.seq_len, info
     )
     evaluator = Evaluator(e, val, hellaswag, tokenizer, t.seed)
-    checkpointer = Checkpointer(
-        cfg.checkpoint, cfg.run.dir, info, (model, optimizer, loader), state, meta
-    )
+    parts = (model, optimizer, loader)
+    checkpointer = Checkpointer(cfg.checkpoint, cfg.run.dir, info, parts, state, meta, background)
     checkpointer.best = evaluator.best  # each checkpoint records the best validation so far
     meter = Meter(cfg.log.every, t, model.flops_per_token(t.seq_len), info)
     return Run(

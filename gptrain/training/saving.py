@@ -19,11 +19,13 @@ from gptrain.training.state import TrainState
 class Checkpointer:
     """Saves and restores the run's stateful parts: model, optimizer, loader and train state."""
 
-    def __init__(self, c: CheckpointConfig, run_dir, info, parts: tuple, state: TrainState, meta):
+    def __init__(
+        self, c: CheckpointConfig, run_dir, info, parts: tuple, state: TrainState, meta, background
+    ):
         self.c, self.run_dir, self.info = c, run_dir, info
         self.model, self.optimizer, self.loader = parts
         self.state, self.meta = state, meta  # meta: what every meta.json records beside counters
-        self.background = False  # checkpoint.async, decided at start (background_saves)
+        self.background = background  # checkpoint.async, decided at start (background_saves)
         self.logger = None  # the run's logger, set once it exists
         self.best: dict = {}  # best_val_loss / best_val_step so far, recorded in meta.json
         self.pending: checkpoint.Pending | None = None  # a background save not yet published
