@@ -158,6 +158,76 @@ def test_ranks_agree_on_the_smallest_fitting_size():
     assert results == [8, 8] and tried[0] == tried[1] == [64, 32, 16, 8]
 
 
+def linear_peak(base, fixed, slope, calls):
+    """A fake FSDP2 trial: peak bytes base + fixed + slope x mb, each size recorded in `calls`."""
+
+    def measure(mb):
+        calls.append(mb)
+        return base + fixed + slope * mb
+
+    return measure
+
+
+def test_fsdp_fit_measures_the_two_smallest_then_agrees_once():
+    """Under FSDP2 a trial runs collectives: only the smallest two sizes are tried (never one the
+    line through the first predicts too large: the smallest again instead, so every rank runs the
+    same collectives), and the ranks' single MIN comes after every trial."""
+    events = []
+    all_min = lambda mb: events.append("all_min") or mb  # noqa: E731
+    measure = linear_peak(1000, 100, 50, events)
+    none = lambda mb: 0  # noqa: E731
+    assert batch.fsdp_fit([8, 4, 2, 1], measure, 1000, 10_000, none, all_min) == 8
+    assert events == [1, 2, "all_min"]
+    events.clear()
+    # one point: slope (1150 - 1000) / 1 = 150, so 2 is predicted at 1300 > 1250: not tried
+    assert batch.fsdp_fit([8, 4, 2, 1], measure, 1000, 1250, none, all_min) == 1
+    assert events == [1, 1, "all_min"]
+    events.clear()
+    assert batch.fsdp_fit([1], measure, 1000, 1250, none, all_min) == 1
+    assert events == [1, "all_min"]
+
+
+@pytest.mark.parametrize(
+    "full, capacity, want",
+    [
+        (25, 1600, 8),  # 8: 1500 + 80 = 1580 fits
+        (25, 1400, 2),  # 8: 1580, 4: 1300 + 180 = 1480 too much; 2: 1200 + 180 = 1380 fits
+        (100, 1600, 8),  # 8 (accumulation 1): 1580 fits; 4 (accumulation 2): 1300 + 480 would not
+        (100, 1700, 8),  # 8: 1580; 2: 1200 + 480 = 1680 would fit too: the largest wins
+    ],
+)
+def test_fsdp_fit_predicts_the_peak_and_reserves_the_unsharded_grad_when_accumulating(full, capacity, want):  # fmt: skip
+    """8 sequences per rank; peaks 1150 (mb 1) and 1200 (mb 2) over 1000 allocated give the line
+    1100 + 50 x mb: 8 -> 1500, 4 -> 1300, 2 -> 1200, 1 -> 1150. Reserve: AdamW's 8 bytes x 10
+    local parameters, plus 4 bytes x `full` parameters where accumulation (8 / mb) is > 1."""
+    calls = []
+
+    def reserve_for(mb):
+        return 8 * 10 + (4 * full if 8 // mb > 1 else 0)
+
+    measure = linear_peak(1000, 100, 50, calls)
+    assert batch.fsdp_fit([8, 4, 2, 1], measure, 1000, capacity, reserve_for) == want
+    assert calls == [1, 2]
+
+
+def test_fsdp_fit_agrees_on_the_min_over_ranks_and_fails_before_any_collective_on_oom():
+    measure = linear_peak(1000, 100, 50, [])
+    none = lambda mb: 0  # noqa: E731
+    seen = []
+    other_rank_fits = lambda mb: seen.append(mb) or min(mb, 2)  # noqa: E731
+    assert batch.fsdp_fit([8, 4, 2, 1], measure, 1000, 10_000, none, other_rank_fits) == 2
+    assert seen == [8]  # this rank's own choice, once
+    for oom_at in (1, 2):  # out of memory in a trial: a UserError at once, no MIN
+        oom = lambda mb: None if mb == oom_at else 1100  # noqa: E731, B023
+        with pytest.raises(UserError, match=r"auto: not even 1 sequence\(s\) per process fit") as e:
+            batch.fsdp_fit([8, 4, 2, 1], oom, 1000, 10_000, none, other_rank_fits)
+        assert "activation checkpointing" in str(e.value) and "\n" not in str(e.value)
+    assert seen == [8]
+    # the reserve alone does not fit next to the smallest: every rank gets 0 and the same error
+    with pytest.raises(UserError, match="not even 1 sequence"):
+        batch.fsdp_fit([8, 4, 2, 1], measure, 1000, 1200, lambda mb: 100, lambda mb: mb)
+
+
 def test_trial_step_leaves_weights_grads_and_rng_untouched():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))  # fmt: skip
@@ -211,6 +281,30 @@ def test_resolve_uses_the_trial_only_for_auto_on_cuda(monkeypatch):
     assert calls == [64, 32, 16]
     fixed = train_cfg("train.micro_batch_size=32", "train.total_batch_size=4096", "train.seq_len=64")  # fmt: skip
     assert batch.resolve(fixed, cuda, object()) == (32, 2)  # an explicit number is never probed
+
+
+@pytest.mark.parametrize("capacity_n, want", [(35, 8), (28, 2), (24, None)])
+def test_resolve_under_fsdp_predicts_from_two_trials_with_the_grad_reserve(monkeypatch, capacity_n, want):  # fmt: skip
+    """An FSDP2-like wrapper on "CUDA": the prediction path, never the lockstep trials. 8 sequences
+    per rank, N parameters, 10N bytes allocated, trial peaks 10N + N + 2N x mb. Predicted peak +
+    reserve (8N, + 4N with accumulation > 1): 8 -> 27N + 8N = 35N, 4 -> 19N + 12N = 31N,
+    2 -> 15N + 12N = 27N, 1 -> 13N + 12N = 25N. With 28N bytes 2 fits (without the grad reserve
+    4 would: 27N); with 24N nothing does."""
+    t = train_cfg("train.micro_batch_size=auto", "train.total_batch_size=512", "train.seq_len=64")
+    model = GPT(GPTConfig(vocab_size=100, block_size=64, n_layer=1, n_head=2, n_embd=32))
+    n = sum(p.numel() for p in model.parameters())
+    wrapped = copy.copy(model)
+    wrapped.set_requires_gradient_sync = lambda *a, **k: None  # what resolve recognises FSDP2 by
+    calls = []
+    monkeypatch.setattr(batch, "trial_fits", lambda *a, **k: pytest.fail("lockstep trial under FSDP2"))  # fmt: skip
+    monkeypatch.setattr(batch, "trial_peak", lambda w, m, a, mb, *rest: calls.append(mb) or 11 * n + 2 * n * mb)  # fmt: skip
+    monkeypatch.setattr(batch, "_memory", lambda device: (10 * n, capacity_n * n))
+    if want is None:
+        with pytest.raises(UserError, match="not even 1 sequence"):
+            batch.resolve(t, DistInfo(device="cuda:0"), wrapped, model)
+    else:
+        assert batch.resolve(t, DistInfo(device="cuda:0"), wrapped, model) == (want, 8 // want)
+    assert calls == [1, 2]
 
 
 @pytest.mark.parametrize("compiled, fsdp_like, want", [(False, False, 1), (True, False, 8), (True, True, 1)])  # fmt: skip

@@ -3,10 +3,20 @@
 `train.micro_batch_size` is a whole number (checked: it must divide the global batch on this
 world size) or `auto`: the largest divisor of the sequences each process handles per optimizer
 step, total_batch_size / (seq_len x world size), that is <= `train.micro_batch_cap`. On a GPU,
-auto also has to fit: one trial forward + backward per candidate (eager, on random tokens, with
-room reserved for the optimizer state), the next smaller divisor at most half as large after an
-out-of-memory error. All ranks try the same candidates in lockstep and agree after each (an
-all-reduce MIN of "it fitted"), so every rank ends with the same micro-batch.
+auto also has to fit, found by eager trial forward + backward passes on random tokens:
+
+- One process or DDP (`fit`): one trial per candidate, with room reserved for the optimizer
+  state, the next smaller divisor at most half as large after an out-of-memory error. The trial
+  does no gradient communication, so all ranks try the same candidates in lockstep and agree
+  after each (an all-reduce MIN of "it fitted").
+- FSDP2 (`fsdp_fit`): a trial all-gathers and reduce-scatters, and a rank that ran out of memory
+  inside one cannot leave it in step with its peers, so only sizes predicted to fit are tried:
+  the smallest candidate, then the second smallest when a line through the first says it fits
+  (else the smallest again, so that every rank runs the same collectives). The peaks measured
+  give peak(mb) = a + b x mb (`predict_fit`); each rank takes the largest candidate whose
+  predicted peak plus its reserve (AdamW state, and with accumulation > 1 the unsharded float32
+  gradient FSDP2 keeps between micro-steps) fits in 90% of its memory, and one all-reduce MIN
+  after all trials makes the ranks agree. Out of memory in a trial ends the run with a UserError.
 """
 
 from __future__ import annotations
@@ -85,28 +95,94 @@ def fit(options: list[int], fits, all_min=None) -> int:
         half = options[i] // 2
         rest = [j for j in range(i + 1, len(options)) if options[j] <= half]
         if not rest:
-            raise UserError(
-                f"train.micro_batch_size = auto: not even {options[i]} sequence(s) per process fit in GPU memory; "
-                "use a shorter train.seq_len, a smaller model, more processes with dist.mode=fsdp, or activation checkpointing"
-            )
+            raise _no_fit(options[i])
         i = rest[0]
 
 
-def _all_min(flag: int, device) -> int:
-    t = torch.tensor([flag], dtype=torch.int64, device=device)
+def _no_fit(mb: int) -> UserError:
+    return UserError(
+        f"train.micro_batch_size = auto: not even {mb} sequence(s) per process fit in GPU memory; "
+        "use a shorter train.seq_len, a smaller model, more processes with dist.mode=fsdp, or activation checkpointing"
+    )
+
+
+MEMORY_MARGIN = 0.9  # FSDP2's prediction may fill this share of the memory the allocator can use
+
+
+def predict_fit(
+    options: list[int], measured: dict[int, int], base: int, capacity: int, reserve_for
+) -> int:
+    """The largest of `options` whose predicted peak + `reserve_for(mb)` bytes is <= `capacity`,
+    or 0 when none is. The peak is the line through the two points of `measured` ({mb: peak
+    bytes}), or with one point (or a second no higher) the line through it and (0, `base`), the
+    bytes allocated before the trial: its slope includes the fixed cost, so it over-predicts
+    larger sizes."""
+    (m1, p1), *more = sorted(measured.items())
+    slope = (p1 - base) / m1
+    if more and more[0][1] > p1:  # a second point that grew: the line through both
+        m2, p2 = more[0]
+        slope = (p2 - p1) / (m2 - m1)
+    for mb in options:
+        if p1 + slope * (mb - m1) + reserve_for(mb) <= capacity:
+            return mb
+    return 0
+
+
+def fsdp_fit(
+    options: list[int], measure, base: int, capacity: int, reserve_for, all_min=None
+) -> int:
+    """FSDP2's choice among `options` (largest first): `measure(mb)` runs one trial and returns
+    its peak bytes (None after out-of-memory, raised at once as a UserError: the collectives it
+    was in cannot be rejoined); it runs for the smallest option and for the second smallest when
+    the one-point line says its trial fits in `capacity`, else for the smallest again (a trial's
+    collectives do not depend on mb, so every rank stays in step). Then `predict_fit`, and
+    `all_min(mb)` (MIN over ranks; None on a single process) once, after every trial."""
+
+    def peak_of(mb: int) -> int:
+        peak = measure(mb)
+        if peak is None:
+            raise _no_fit(small)
+        return peak
+
+    small = options[-1]
+    measured = {small: peak_of(small)}
+    if len(options) > 1:
+        second = options[-2]
+        if predict_fit([second], measured, base, capacity, lambda m: 0) == second:
+            measured[second] = peak_of(second)
+        else:  # its trial might run out of memory inside a collective: repeat the smallest
+            peak_of(small)
+    mb = predict_fit(options, measured, base, capacity, reserve_for)
+    if all_min is not None:
+        mb = all_min(mb)
+    if mb == 0:
+        raise _no_fit(small)
+    return mb
+
+
+def _all_min(value: int, device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return int(t.item())
 
 
 def trial_fits(
-    wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int, device, compiled: bool = False
+    wrapped,
+    model,
+    autocast,
+    mb: int,
+    seq_len: int,
+    vocab_size: int,
+    device,
+    compiled: bool = False,
+    reserve: bool = True,
 ) -> bool:
     """One forward + backward of a (mb, seq_len) batch of random tokens, while a buffer the size
-    of AdamW's state (2 floats per local parameter) is held; False on CUDA out-of-memory. The
-    trial runs eager; `compiled` (the whole model, loss included, is compiled: compile without
-    FSDP) gives it the compiled loss's larger chunks (losses.chunk_rows), so that it
-    needs the memory the compiled run's loss will. Leaves
-    no gradients behind and consumes no global random numbers (dropout draws happen under a
+    of AdamW's state (2 floats per local parameter) is held unless `reserve` is False; False on
+    CUDA out-of-memory. The trial runs eager; `compiled` (the whole model, loss included, is
+    compiled: compile without FSDP) gives it the compiled loss's larger chunks
+    (losses.chunk_rows), so that it needs the memory the compiled run's loss will. Leaves no
+    gradients behind and consumes no global random numbers (dropout draws happen under a
     forked RNG), so training is unchanged by it. DDP: without gradient communication (the
     gradients stay in .grad, cleared below). FSDP2: with it, as on a last micro-step: without
     sync FSDP2 would keep the unsharded gradient in its own buffers, out of zero_grad's reach,
@@ -119,14 +195,14 @@ def trial_fits(
         )
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            numel = parallelize.local_numel(model)
-            reserve = torch.empty(2 * numel, dtype=torch.float32, device=device)  # AdamW m and v
+            numel = parallelize.local_numel(model) if reserve else 0
+            held = torch.empty(2 * numel, dtype=torch.float32, device=device)  # AdamW m and v
             gen = torch.Generator(device=device).manual_seed(0)
             x = torch.randint(0, vocab_size, (mb, seq_len + 1), device=device, generator=gen)
             with parallelize.eager(), parallelize.grad_sync(wrapped, sync=fsdp), autocast:
                 _, loss = wrapped(x[:, :-1], x[:, 1:])
             loss.backward()
-            del loss, x, reserve
+            del loss, x, held
     except torch.cuda.OutOfMemoryError:
         oom = True  # handled outside the except block: its traceback holds the trial's tensors
     finally:
@@ -139,6 +215,23 @@ def trial_fits(
     return not oom
 
 
+def trial_peak(
+    wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int, device
+) -> int | None:
+    """The CUDA peak bytes allocated during `trial_fits` without its reserve (FSDP2: with its
+    collectives); None on out-of-memory."""
+    torch.cuda.reset_peak_memory_stats(device)
+    ok = trial_fits(wrapped, model, autocast, mb, seq_len, vocab_size, device, reserve=False)
+    return torch.cuda.max_memory_allocated(device) if ok else None
+
+
+def _memory(device) -> tuple[int, int]:
+    """(bytes allocated now, MEMORY_MARGIN x the bytes the allocator could hold: free + its own)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    usable = free + torch.cuda.memory_reserved(device)
+    return torch.cuda.memory_allocated(device), int(MEMORY_MARGIN * usable)
+
+
 def resolve(
     t: TrainConfig,
     info: dist.DistInfo,
@@ -149,17 +242,34 @@ def resolve(
     options: list[int] | None = None,
 ) -> tuple[int, int]:
     """(micro-batch, accumulation steps) for this run: plan(), then on CUDA with auto the largest
-    candidate that fits on every rank (needs the wrapped model, its autocast and the vocabulary)."""
+    candidate that fits on every rank (needs the wrapped model, its autocast and the vocabulary):
+    `fsdp_fit` under FSDP2, else `fit`."""
     options = options or candidates(t, info.world_size)  # `options`: start's, passed on
     mb = options[0]
     if t.micro_batch_size == "auto" and info.device_type == "cuda" and wrapped is not None:
         device = torch.device(info.device)
-        all_min = (lambda ok: _all_min(ok, device)) if dist.active() else None
-        mb = fit(
-            options,
-            lambda m: trial_fits(
-                wrapped, model, autocast, m, t.seq_len, vocab_size, device, t.compile
-            ),
-            all_min,
-        )
+        all_min = (lambda v: _all_min(v, device)) if dist.active() else None
+        if parallelize.syncs_per_block(wrapped):
+            local = parallelize.local_numel(model)
+            full = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole
+
+            def reserve_for(m: int) -> int:  # AdamW m and v; the unsharded grad when accumulating
+                accum = accumulation_steps(t.total_batch_size, m, t.seq_len, info.world_size)
+                return 8 * local + (4 * full if accum > 1 else 0)
+
+            mb = fsdp_fit(
+                options,
+                lambda m: trial_peak(wrapped, model, autocast, m, t.seq_len, vocab_size, device),
+                *_memory(device),
+                reserve_for,
+                all_min,
+            )
+        else:
+            mb = fit(
+                options,
+                lambda m: trial_fits(
+                    wrapped, model, autocast, m, t.seq_len, vocab_size, device, t.compile
+                ),
+                all_min,
+            )
     return mb, accumulation_steps(t.total_batch_size, mb, t.seq_len, info.world_size)
