@@ -9,11 +9,12 @@ cross-world-size tests (rtol 1e-5, atol 1e-6), the data cursor exactly.
     .venv/bin/python benchmarks/chaos.py --mode fsdp --optim adamw --data DIR
 
 Every drill has, in an order drawn from the seed, one attempt with each of:
-- kill_save: the writing rank is frozen (SIGSTOP) the moment a checkpoint's temporary folder
-  appears and SIGKILLed if the folder is still there (caught mid-write; tried on each save up to
-  the last event step, and killed right after that save when none was caught),
-- kill_eval: GPTRAIN_FAULT=eval_error@STEP/RANK on an evaluation step: that rank's evaluation
-  raises, and the launcher kills the other rank inside the same evaluation,
+- kill_save: GPTRAIN_FAULT=kill_save@STEP/RANK on a checkpoint step: that rank SIGKILLs itself
+  while that checkpoint is being saved (rank 0 with every file in its temporary folder, not yet
+  published; under FSDP2 a random rank, another one once its shards are written; the launcher
+  then stops the other rank; exit 1),
+- kill_eval: GPTRAIN_FAULT=kill_eval@STEP/RANK on an evaluation step: that rank SIGKILLs itself
+  inside the evaluation (exit 1),
 - publish_error: GPTRAIN_FAULT=publish_error@STEP/0 on a checkpoint step (a full disk while
   `latest` is written);
 then `--events` more drawn from:
@@ -24,7 +25,8 @@ then `--events` more drawn from:
 Then a 2-rank attempt is SIGKILLed once a checkpoint at or after the last event step is
 published (the hand-off), and the same command on one process finishes the run. Every restart is
 the same command (run.max_failed_attempts = 0: this drill wants the restarts). Prints one line
-per attempt and OK, or the entries that differ; exits 0 on OK.
+per attempt (noting a fault whose announcement is missing from the attempt's stderr: it never
+fired) and OK, or the entries that differ; exits 0 on OK.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ OPTIMS = {"adamw": [], "muon": ["--optim.name=muon", "--optim.muon_dtype=float32
 HARD = ("kill_save", "kill_eval", "publish_error")  # once in every drill
 KINDS = ("sigkill", "sigterm", "hang", "stall_save")  # drawn at random
 ON_SAVE = ("kill_save", "stall_save", "publish_error", "handoff")  # aimed at a checkpoint step
+FAULTS = ("kill_save", "kill_eval", "publish_error", "hang", "stall_save")  # GPTRAIN_FAULT kinds
+RANK_0 = ("publish_error", "handoff")  # rank 0 publishes every checkpoint
+SIGNALS = ("sigkill", "sigterm", "handoff")  # sent by the drill (the rest: GPTRAIN_FAULT)
 RTOL, ATOL = 1e-5, 1e-6  # tests/test_distributed.py's tolerance across world sizes
 QUIET = {"stdout": subprocess.DEVNULL, "start_new_session": True}
 launch = subprocess.Popen  # tests/test_chaos.py swaps in tests/forked.py's Popen (no import time)
@@ -142,43 +147,9 @@ def target(run: Run, event: str, start: int, rng: random.Random) -> int | None:
     return at if at <= run.last_event else None
 
 
-def kill_in_save(proc, ckpts: Path, pid: int, first: int, limit: int) -> str:
-    """Freeze `pid` the moment a checkpoint (step >= first) starts being written; SIGKILL it if
-    its temporary folder is still there, else let it go on, until the save of step >= limit,
-    after which it is killed anyway. Returns what happened."""
-    seen: set[Path] = set()
-    while proc.poll() is None:
-        fresh = set(ckpts.glob(".tmp-*")) - seen if ckpts.is_dir() else set()
-        if not fresh:
-            time.sleep(0.0005)
-            continue
-        tmp = fresh.pop()
-        seen.add(tmp)
-        step = int(tmp.name.rsplit("_", 1)[1])
-        if step < first:
-            continue
-        os.kill(pid, signal.SIGSTOP)
-        if tmp.exists():
-            os.kill(pid, signal.SIGKILL)
-            return f"caught writing step {step}"
-        os.kill(pid, signal.SIGCONT)
-        if step >= limit:
-            while proc.poll() is None and resume_step(ckpts.parent) < step:
-                time.sleep(0.001)
-            os.kill(pid, signal.SIGKILL)
-            return f"missed every write, killed after the save of step {step}"
-    return "the run ended first"
-
-
-def disturb(proc, run: Run, run_dir: Path, event: str, at: int, rank: int, before: int) -> str:
-    """Deliver `event` to the running attempt `proc`; returns a note on how it landed."""
-    if event == "kill_save":
-        pid = worker(proc, 0)  # rank 0 writes a full checkpoint and creates a sharded one's folder
-        if pid is None:
-            return "the run ended first"
-        return kill_in_save(proc, run_dir / "checkpoints", pid, at, run.last_event)
-    if event not in ("sigkill", "sigterm", "handoff"):
-        return ""
+def disturb(proc, run_dir: Path, event: str, at: int, rank: int, before: int) -> str:
+    """Deliver the signal `event` (one of SIGNALS) to the running attempt `proc`; returns a note
+    on how it landed."""
     # this attempt's rows only (stale ones are rewound)
     while proc.poll() is None and (starts(run_dir) == before or logged_step(run_dir) < at):
         time.sleep(0.01)
@@ -197,22 +168,25 @@ def attempt(run: Run, run_dir: Path, event: str | None, rng: random.Random, npro
     """One start of the run with `event` (None: undisturbed); returns a line describing it."""
     start = resume_step(run_dir)
     at = target(run, event, start, rng) if event else None
-    rank = 0 if event in ("publish_error", "kill_save", "handoff") else rng.randint(0, 1)
+    full_save = event == "kill_save" and run.mode != "fsdp"  # rank 0 writes it alone
+    rank = 0 if event in RANK_0 or full_save else rng.randint(0, 1)
     if event and at is None:
         return f"from step {start}: {event}: skipped (no step left for it before the last leg)"
-    fault = {"kill_eval": "eval_error", "hang": "hang", "stall_save": "stall_save"}.get(event)
-    fault = f"{fault}@{at}/{rank}" if fault else ""
-    fault = f"publish_error@{at}/0" if event == "publish_error" else fault
-    before = starts(run_dir)
-    with open(run_dir.parent / f"{run_dir.name}.stderr", "a") as log:
+    fault = f"{event}@{at}/{rank}" if event in FAULTS else ""
+    before, stderr = starts(run_dir), run_dir.parent / f"{run_dir.name}.stderr"
+    with open(stderr, "a") as log:
         log.write(f"--- from step {start}: {event} at {at}, GPTRAIN_FAULT={fault!r}\n")
         log.flush()
+        offset = log.tell()
         proc = launch(run.command(run_dir, nproc), env=env(fault), stderr=log, **QUIET)
     try:
-        note = disturb(proc, run, run_dir, event, at, rank, before) if event else ""
+        note = disturb(proc, run_dir, event, at, rank, before) if event in SIGNALS else ""
         code = proc.wait(timeout=600)
     finally:
         stop(proc)
+    said = stderr.read_bytes()[offset:].decode(errors="replace")
+    if fault and f"(GPTRAIN_FAULT): {event} at step {at}" not in said:
+        note = "the fault never fired"  # its announcement (faults._announce) is not in stderr
     who = f"rank {rank} " if event not in (None, "sigterm") else ""
     what = f"{event} {who}at step {at}" if event else f"undisturbed on {nproc} process(es)"
     note = f" ({note})" if note else ""

@@ -1,7 +1,8 @@
 """Fault injection (GPTRAIN_FAULT): the spec's grammar and its refusals, inert when unset or meant
 for another rank, `crash` exits 1 inside its step, `spike` multiplies that step's loss and
 gradients by 20, `eval_error` raises once at its step, `publish_error` fails a publish with ENOSPC
-(one process here; 2 ranks, full and sharded: tests/test_publish_error.py). `hang` and
+(one process here; 2 ranks, full and sharded: tests/test_publish_error.py); `kill_save` and
+`kill_eval` SIGKILL a run in tests/test_kill_faults.py (2 ranks: tests/test_chaos.py). `hang` and
 `stall_save` are exercised with the watchdog (tests/test_watchdog.py)."""
 
 import json
@@ -49,6 +50,12 @@ def test_parse():
         faults.Fault("publish_error", 4, 1),
         faults.Fault("eval_error", 6, None),
     ]
+    assert faults.parse("kill_save@8/0, kill_eval@12,kill_save@4,kill_eval@6/1") == [
+        faults.Fault("kill_save", 8, 0),
+        faults.Fault("kill_eval", 12, None),
+        faults.Fault("kill_save", 4, None),
+        faults.Fault("kill_eval", 6, 1),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -63,6 +70,11 @@ def test_parse():
         ("publish_error@", "malformed entry 'publish_error@'"),
         ("eval_error@2/x", "malformed entry 'eval_error@2/x'"),
         ("publish@2", "unknown fault kind 'publish'"),
+        ("kill_save@0", "malformed entry 'kill_save@0'"),
+        ("kill_save@x/0", "malformed entry 'kill_save@x/0'"),
+        ("kill_eval@", "malformed entry 'kill_eval@'"),
+        ("kill_eval@-3", "malformed entry 'kill_eval@-3'"),
+        ("kill@2", "unknown fault kind 'kill'"),
     ],
 )
 def test_bad_spec_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, monkeypatch, spec, needle):  # fmt: skip
@@ -81,11 +93,18 @@ def test_inert_when_unset_or_for_another_rank(fault):
     model = torch.nn.Linear(2, 2)
     faults.install(0, {})
     assert faults.in_step(3, model) is faults._NULL and not faults._active
-    fault("spike@3/1,hang@3/1,crash@3/1,publish_error@3/1,eval_error@3/1", rank=0)
+    kinds = ("spike", "hang", "crash", "publish_error", "eval_error", "kill_save", "kill_eval")
+    fault(",".join(f"{k}@3/1" for k in kinds), rank=0)
     assert faults.in_step(3, model) is faults._NULL
     faults.stall_save(3)  # returns at once: stall_save is not set here
     faults.publish_error(3, "latest")  # these are rank 1's
     faults.eval_error(3)
+    faults.kill_save(3)
+    faults.kill_eval(3)
+    fault("kill_save@3,kill_eval@3")  # every rank's, but another step's (or no step: a download)
+    faults.kill_save(2)
+    faults.kill_save(None)
+    faults.kill_eval(4)
 
 
 def test_eval_error_raises_once_at_its_step(fault):

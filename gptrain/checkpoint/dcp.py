@@ -147,6 +147,7 @@ def _own_part(step, root, tmp, future, info, threads) -> tuple[dict, str]:
         return {}, folder.save_failed(info.rank, "write", name, root, e)
     try:
         if not info.is_main:
+            faults.kill_save(step)  # GPTRAIN_FAULT=kill_save@STEP/R, R > 0: shards written
             faults.publish_error(step, tmp / f"__{info.rank}_0.distcp")
         return folder.file_records(sorted(tmp.glob(f"__{info.rank}_*.distcp")), threads), ""
     except OSError as e:

@@ -83,6 +83,7 @@ def publish(root: Path, name: str, tmp: Path, step: int | None = None) -> Path:
     pointer, a refused rename) undoes the renames and raises: the previous checkpoint is where it
     was and `latest` still names it; the new folder is back at `tmp` (the caller removes it).
     `step`: the checkpoint being saved, where GPTRAIN_FAULT=publish_error@STEP fires."""
+    faults.kill_save(step)  # GPTRAIN_FAULT=kill_save@STEP: SIGKILL, tmp written, not renamed
     final = root / name
     old = root / f".old-{name}"
     moved = renamed = False

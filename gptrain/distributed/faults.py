@@ -6,13 +6,16 @@
     GPTRAIN_FAULT=stall_save@100/0    rank 0's checkpoint write of step 100 blocks forever
     GPTRAIN_FAULT=publish_error@8/0   rank 0's publish of step 8's checkpoint fails (ENOSPC)
     GPTRAIN_FAULT=eval_error@20       the evaluation at step 20 raises
+    GPTRAIN_FAULT=kill_eval@24/1      rank 1 SIGKILLs itself inside the evaluation at step 24
+    GPTRAIN_FAULT=kill_save@8         rank 0 SIGKILLs itself while step 8's checkpoint is written:
+                                      every file is in its temporary folder, not yet published
 
 STEP is the optimizer step being trained (1 is the first); without /RANK a fault fires on every
 rank. A fault fires the first time its step is trained in a process (a `spike` rolled back past
 does not come back), and again in a new process that trains that step (a run resumed from before
 it). Unset or empty, nothing here costs anything: `in_step` returns one shared null context and
-`stall_save`, `publish_error` and `eval_error` return at once. An unknown kind or a malformed
-entry is one line (UserError, exit 2) before anything starts. `install` is called once per
+`stall_save`, `publish_error`, `kill_save`, `eval_error` and `kill_eval` return at once. An
+unknown kind or a malformed entry is one line (UserError, exit 2) before anything starts. `install` is called once per
 process by `gptrain train`; the loop, the evaluator and the checkpoint code ask this module at
 their spots.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -29,7 +33,16 @@ from dataclasses import dataclass
 from gptrain.errors import UserError
 
 ENV = "GPTRAIN_FAULT"
-KINDS = ("hang", "crash", "spike", "stall_save", "publish_error", "eval_error")
+KINDS = (
+    "hang",
+    "crash",
+    "spike",
+    "stall_save",
+    "publish_error",
+    "kill_save",
+    "eval_error",
+    "kill_eval",
+)
 SPIKE_FACTOR = 20.0
 _NULL = contextlib.nullcontext()
 
@@ -77,6 +90,13 @@ def fires(kind: str, step: int) -> bool:
 
 def _announce(what: str) -> None:
     print(f"gptrain: fault injection ({ENV}): {what}", file=sys.stderr, flush=True)
+
+
+def _kill(what: str) -> None:
+    """Announce, then SIGKILL this process: no handler, no clean-up, no flush of anything else
+    (as the OOM killer or a scheduler's hard kill)."""
+    _announce(f"{what}: SIGKILL")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def in_step(step: int, model):
@@ -135,3 +155,21 @@ def eval_error(step: int) -> None:
     if fires("eval_error", step):
         del _active[("eval_error", step)]
         raise RuntimeError(f"fault injection ({ENV}): eval error at step {step}")
+
+
+def kill_save(step: int | None) -> None:
+    """Called where the folder of checkpoint `step` is published (folder.publish, which rank 0
+    runs for full and sharded checkpoints alike: every file is written in its temporary folder,
+    not renamed yet) and, in the sharded path, on every other rank once its shards are written.
+    `kill_save` SIGKILLs the process there: the previous checkpoint stays named in `latest`, and
+    the temporary folder is left behind, invisible to resume. (`step` None: a mirror's
+    download, never hit.)"""
+    if step is not None and fires("kill_save", step):
+        _kill(f"kill_save at step {step}: checkpoint written, not published")
+
+
+def kill_eval(step: int) -> None:
+    """Called at the start of the evaluation at `step`, beside eval_error: `kill_eval` SIGKILLs
+    the process there (a process killed during an evaluation)."""
+    if fires("kill_eval", step):
+        _kill(f"kill_eval at step {step}: killed inside the evaluation")

@@ -55,6 +55,7 @@ class Evaluator:
         own phase (val, hellaswag, sample), with its own hang budget."""
         if due:
             faults.eval_error(step)  # GPTRAIN_FAULT=eval_error@STEP: this evaluation raises
+            faults.kill_eval(step)  # GPTRAIN_FAULT=kill_eval@STEP: SIGKILL inside this evaluation
         out = {}
         if due.val:
             watchdog.enter("val", step)
