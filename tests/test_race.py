@@ -171,6 +171,10 @@ def test_compute_multiplier_of_a_config_that_reaches_the_baselines_loss_in_two_t
     better = [dict(r, val_loss=1.9) for r in cand]  # below anything the baseline reaches
     m = compute_multiplier(base, better)
     assert m["lower_bound"] and m["value"] == pytest.approx(3.0) and m["ci"] == [3.0, None]
+    stats = pytest.importorskip("scipy.stats")  # the test at the bound, as scipy computes it
+    ends = [r["curve"]["val_loss"][-1] for r in base]
+    want = stats.ttest_ind(ends, [1.9] * 3, equal_var=False).pvalue
+    assert m["p_bound"] == pytest.approx(want, rel=1e-6) and m["p_bound"] < 1e-4
 
 
 def test_analysis_reports_a_run_that_misses_the_target_as_censored():

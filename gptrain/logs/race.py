@@ -26,7 +26,7 @@ LEVEL = 0.95  # confidence level of every interval
 METHODS = {
     "p": "Welch's t-test (unequal variances), two-sided",
     "ratio_ci": "Fieller's interval for a ratio of means under Welch's test",
-    "compute_multiplier": "tokens the baseline's mean curve needs to reach the config's mean final val loss, over the config's mean tokens; its interval and p-value compare the baseline's seeds' losses at m x the config's tokens with the config's final losses (Welch), p at m = 1",
+    "compute_multiplier": "tokens the baseline's mean curve needs to reach the config's mean final val loss, over the config's mean tokens; its interval and p-value compare the baseline's seeds' losses at m x the config's tokens with the config's final losses (Welch), p at m = 1; a lower bound (> m) is the baseline's last tokens over the config's, its p that test at the bound (the baseline's final losses)",
     "seconds": "training seconds, the run's train_s or from the logged throughput (evaluation and checkpoints excluded)",
 }
 
@@ -190,7 +190,9 @@ def compute_multiplier(base: list[dict], runs: list[dict]) -> dict:
     (read off the baseline's mean curve), relative to the config's own mean tokens. Beyond the
     baseline's last evaluation it is a lower bound. The interval holds the multipliers m at
     which the baseline's seeds' losses at m x the config's tokens do not differ significantly
-    (Welch) from the config's final losses; p is that test at m = 1 (equal tokens)."""
+    (Welch) from the config's final losses; p is that test at m = 1 (equal tokens), and for a
+    lower bound `p_bound` is that test at the bound (the baseline's final losses against the
+    config's: below 0.01, the multiplier exceeds the bound at that level)."""
     finals = [r["val_loss"] for r in runs]
     tokens = mean_sd([r["tokens"] for r in runs])[0]
     curves = [r["curve"] for r in base]
@@ -209,6 +211,9 @@ def compute_multiplier(base: list[dict], runs: list[dict]) -> dict:
     if tokens <= grid[-1]:
         losses = [value_at(c["tokens"], c["val_loss"], tokens) for c in curves]
         out["p"] = welch(losses, finals).p
+    if cross is None:
+        ends = [value_at(c["tokens"], c["val_loss"], grid[-1]) for c in curves]
+        out["p_bound"] = welch(ends, finals).p
     if not accepted(value):  # beyond the baseline's curve, the config is better than its end
         out["ci"] = [end, None] if cross is None else None
         return out

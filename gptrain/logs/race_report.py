@@ -68,8 +68,8 @@ def _multiplier_cell(m: dict, is_base: bool) -> str:
     def fmt(x):
         return f"{x:.3g}"
 
-    if m["lower_bound"]:
-        return f"> {fmt(m['value'])}×{_p(m['p'])}"
+    if m["lower_bound"]:  # p at the bound: is the config below the baseline's end?
+        return f"> {fmt(m['value'])}×{_p(m.get('p_bound', m['p']))}"
     return f"{fmt(m['value'])}×{_interval(m['ci'], fmt)}{_p(m['p'])}"
 
 
