@@ -245,12 +245,12 @@ def test_a_race_of_two_configs_writes_race_json_the_table_and_race_png(
     race = json.loads((out / "race.json").read_text())
     assert race["target"] == 4.7 and race["baseline"] == "debug" and race["seeds"] == 2
     assert [(r["config"], r["seed"], r["status"]) for r in race["runs"]] == [
-        ("debug", 1, "done"),
-        ("debug", 2, "done"),
+        ("debug", 1, "done"),  # in the order they ran: seed by seed, every config in turn
         ("fast", 1, "done"),
+        ("debug", 2, "done"),
         ("fast", 2, "done"),
     ]
-    first, second = race["runs"][:2]
+    first, second = race["runs"][0], race["runs"][2]
     assert first["val_loss"] != second["val_loss"]  # the seed changes the run
     assert first["tokens"] == 8 * 1024 and first["curve"]["tokens"] == [0, 4096, 8192]
     assert first["flops_per_token"] > 0 and first["train_s"] > 0
@@ -291,15 +291,16 @@ def test_a_stopped_race_continues_with_the_runs_it_lacks(configs, byte_data, tmp
         d: [a["start"]["start_step"] for a in attempts.read(out / d)]
         for d in ("debug/seed_1", "debug/seed_2", "fast/seed_1", "fast/seed_2")
     }
-    assert starts == {
+    assert starts == {  # the order: debug 1, fast 1, debug 2 (stopped at step 6), fast 2
         "debug/seed_1": [0, 8],
-        "debug/seed_2": [0, 8],
-        "fast/seed_1": [0, 4],
+        "fast/seed_1": [0, 8],
+        "debug/seed_2": [0, 4],
         "fast/seed_2": [0],
     }
     race = json.loads((out / "race.json").read_text())
     assert all(r["status"] == "done" and r["curve"]["tokens"][-1] == 8192 for r in race["runs"])
-    assert race["target"] == pytest.approx(sum(r["val_loss"] for r in race["runs"][:2]) / 2)
+    base = [r["val_loss"] for r in race["runs"] if r["config"] == "debug"]
+    assert race["target"] == pytest.approx(sum(base) / 2)
 
 
 def test_with_several_gpus_the_runs_go_one_per_gpu_as_subprocesses(

@@ -181,6 +181,9 @@ def plan(args: Args) -> tuple[list[str], list[Config], list[Job]]:
             argv += [f"--train.seed={seed}", f"--run.dir={run_dir}"]
             jobs.append(Job(label, seed, run_dir, tuple(argv)))
     check_comparable(args.configs, cfgs)
+    # seed by seed, every config in turn: a drift of the machine's speed falls on every config
+    # alike, and a race stopped part-way has as many seeds of each
+    jobs.sort(key=lambda j: (j.seed, labels.index(j.label)))
     return labels, cfgs, jobs
 
 
