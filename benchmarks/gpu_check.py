@@ -182,9 +182,9 @@ class Check:
         return json.loads(out.read_text())
 
     def throughput(self) -> tuple[str, str]:
-        """Row 0: `gptrain bench` of configs/gpt2_124m.toml on one device (the 400k tok/s target)."""
+        """Row 0: `gptrain bench` of configs/gpt2_124m_llmc.toml on one device (the 400k tok/s target)."""
         rows = self.work / "bench.json"
-        cmd = ["bench", "--config", "configs/gpt2_124m.toml", "--json", str(rows)]
+        cmd = ["bench", "--config", "configs/gpt2_124m_llmc.toml", "--json", str(rows)]
         if self.dry:
             cmd += ["--steps", "2", "--warmup", "1", "--model.preset=tiny", "--train.seq_len=64", "--train.total_batch_size=1024", "--train.micro_batch_size=4", "--train.dtype=float32", "--train.compile=false", "--train.device=cpu"]  # fmt: skip
         else:  # 2^17 tokens a step: 2 micro-steps of 64 x 1024 when 64 fits
