@@ -168,12 +168,13 @@ def test_compute_multiplier_of_a_config_that_reaches_the_baselines_loss_in_two_t
     m = compute_multiplier(base, cand)
     assert m["value"] == pytest.approx(1.5, rel=1e-3) and not m["lower_bound"]
     assert m["ci"][0] < 1.5 < m["ci"][1] and m["ci"][0] > 1.3 and m["p"] < 1e-4
-    better = [dict(r, val_loss=1.9) for r in cand]  # below anything the baseline reaches
+    finals = [1.899, 1.9, 1.901]  # below anything the baseline reaches
+    better = [dict(r, val_loss=v) for r, v in zip(cand, finals, strict=True)]
     m = compute_multiplier(base, better)
     assert m["lower_bound"] and m["value"] == pytest.approx(3.0) and m["ci"] == [3.0, None]
     stats = pytest.importorskip("scipy.stats")  # the test at the bound, as scipy computes it
     ends = [r["curve"]["val_loss"][-1] for r in base]
-    want = stats.ttest_ind(ends, [1.9] * 3, equal_var=False).pvalue
+    want = stats.ttest_ind(ends, finals, equal_var=False).pvalue
     assert m["p_bound"] == pytest.approx(want, rel=1e-6) and m["p_bound"] < 1e-4
 
 
