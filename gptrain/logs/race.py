@@ -204,16 +204,16 @@ def compute_multiplier(base: list[dict], runs: list[dict]) -> dict:
     if len(finals) < 2 or len(curves) < 2:
         return out
 
+    def p_at(x: float) -> float:  # Welch: the baseline's seeds' losses at x tokens, the finals
+        return welch([value_at(c["tokens"], c["val_loss"], x) for c in curves], finals).p
+
     def accepted(m: float) -> bool:
-        losses = [value_at(c["tokens"], c["val_loss"], m * tokens) for c in curves]
-        return welch(losses, finals).p >= 1.0 - LEVEL
+        return p_at(m * tokens) >= 1.0 - LEVEL
 
     if tokens <= grid[-1]:
-        losses = [value_at(c["tokens"], c["val_loss"], tokens) for c in curves]
-        out["p"] = welch(losses, finals).p
+        out["p"] = p_at(tokens)
     if cross is None:
-        ends = [value_at(c["tokens"], c["val_loss"], grid[-1]) for c in curves]
-        out["p_bound"] = welch(ends, finals).p
+        out["p_bound"] = p_at(grid[-1])
     if not accepted(value):  # beyond the baseline's curve, the config is better than its end
         out["ci"] = [end, None] if cross is None else None
         return out

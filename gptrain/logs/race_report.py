@@ -69,7 +69,7 @@ def _multiplier_cell(m: dict, is_base: bool) -> str:
         return f"{x:.3g}"
 
     if m["lower_bound"]:  # p at the bound: is the config below the baseline's end?
-        return f"> {fmt(m['value'])}×{_p(m.get('p_bound', m['p']))}"
+        return f"> {fmt(m['value'])}×{_p(m.get('p_bound'))}"
     return f"{fmt(m['value'])}×{_interval(m['ci'], fmt)}{_p(m['p'])}"
 
 
