@@ -1,0 +1,175 @@
+"""The run-folder lock: one owner at a time; a lock of a dead process, of a node whose heartbeat
+stopped, or a malformed one is taken over with one line; released on exit, also on an error."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gptrain.checkpoint import lock
+from gptrain.checkpoint.lock import RunLock
+from gptrain.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_lock(folder: Path, **fields) -> None:
+    now = time.time()
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "what": "gptrain train"}
+    holder |= {"started": now - 100, "heartbeat": now, "boot": lock._boot_id(), "token": "t"}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".lock").write_text(json.dumps(holder | fields))
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def held_by_me(folder: Path) -> bool:
+    return json.loads((folder / ".lock").read_text())["pid"] == os.getpid()
+
+
+def test_a_second_holder_is_refused_with_one_line(tmp_path):
+    run = tmp_path / "run"
+    with RunLock(run, "gptrain train"):
+        assert held_by_me(run)
+        with pytest.raises(UserError) as e, RunLock(run, "gptrain race"):
+            pass
+    assert e.value.exit_code == 2 and "\n" not in str(e.value)
+    msg = str(e.value)
+    assert msg.startswith(
+        f"run folder {run} is in use by gptrain train (host {socket.gethostname()}, pid {os.getpid()}, since "
+    )
+    assert msg.endswith("); wait for it or choose another folder")
+    assert not (run / ".lock").exists()  # the holder released it; the refused one left nothing
+    assert sorted(os.listdir(run)) == []
+
+
+def test_released_on_an_error_and_taken_again_by_the_same_process(tmp_path):
+    run = tmp_path / "a" / "run"  # created with its parents
+    with pytest.raises(RuntimeError), RunLock(run, "gptrain train"):
+        raise RuntimeError("boom")
+    assert not (run / ".lock").exists()
+    with RunLock(run, "gptrain race"):
+        assert json.loads((run / ".lock").read_text())["what"] == "gptrain race"
+    assert not (run / ".lock").exists()
+
+
+def test_a_dead_process_lock_is_taken_over_with_a_line(tmp_path, capsys):
+    pid = dead_pid()
+    write_lock(tmp_path, pid=pid)
+    with RunLock(tmp_path, "gptrain train"):
+        assert held_by_me(tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith(
+        f"gptrain: warning: run folder {tmp_path}: taking over the lock of gptrain train (host {socket.gethostname()}, pid {pid}, last heartbeat "
+    )
+    assert err[0].endswith(f"pid {pid} is not running on {socket.gethostname()}")
+
+
+def test_another_host_fresh_heartbeat_refused_old_one_taken_over(tmp_path, capsys):
+    write_lock(tmp_path, host="node-elsewhere", pid=1, heartbeat=time.time() - 5, boot="x")
+    with pytest.raises(UserError, match=r"in use by gptrain train \(host node-elsewhere, pid 1, "):
+        RunLock(tmp_path, "gptrain train").acquire()
+    assert json.loads((tmp_path / ".lock").read_text())["host"] == "node-elsewhere"  # untouched
+    old = time.time() - lock.STALE_S - 30
+    write_lock(tmp_path, host="node-elsewhere", pid=1, heartbeat=old, boot="x")
+    with RunLock(tmp_path, "gptrain train"):
+        assert held_by_me(tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(host node-elsewhere, pid 1, last heartbeat 9" in err[0]
+    assert err[0].endswith(f"its heartbeat stopped 90 s ago (stale after {lock.STALE_S:.0f} s)")
+
+
+def test_a_pid_of_another_boot_or_namespace_is_judged_by_its_heartbeat(tmp_path):
+    # the same host name, but another boot (or container): the pid is not ours to check
+    write_lock(tmp_path, pid=dead_pid(), boot="another-boot", heartbeat=time.time() - 5)
+    with pytest.raises(UserError, match="in use by"):
+        RunLock(tmp_path, "gptrain train").acquire()
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"host": "h"}', b"\xff\xfe", b"[1]"])
+def test_a_malformed_lock_is_taken_over_with_a_line(tmp_path, capsys, content):
+    (tmp_path / ".lock").write_bytes(content)
+    with RunLock(tmp_path, "gptrain train"):
+        assert held_by_me(tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"gptrain: warning: run folder {tmp_path}: taking over a malformed lock: its content is not a lock"
+    ]
+
+
+def test_the_heartbeat_is_refreshed_and_notices_a_takeover(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lock, "HEARTBEAT_S", 0.05)
+    with RunLock(tmp_path, "gptrain train"):
+        first = json.loads((tmp_path / ".lock").read_text())
+        deadline = time.time() + 10
+        while json.loads((tmp_path / ".lock").read_text())["heartbeat"] == first["heartbeat"]:
+            assert time.time() < deadline, "the heartbeat was never refreshed"
+            time.sleep(0.02)
+        now = json.loads((tmp_path / ".lock").read_text())
+        assert {k: v for k, v in now.items() if k != "heartbeat"} == {
+            k: v for k, v in first.items() if k != "heartbeat"
+        }
+        write_lock(tmp_path, host="node-elsewhere", pid=1, boot="x")  # another job took it
+        time.sleep(0.3)
+    assert "another job took over its lock" in capsys.readouterr().err
+    assert json.loads((tmp_path / ".lock").read_text())["host"] == "node-elsewhere"  # not removed
+
+
+HOLD = """
+import sys, time
+from gptrain.checkpoint.lock import RunLock
+from gptrain.errors import UserError
+start = float(sys.argv[2])
+while time.time() < start:
+    pass
+try:
+    with RunLock(sys.argv[1], "gptrain race"):
+        print("won", flush=True)
+        time.sleep(float(sys.argv[3]))
+except UserError as e:
+    print("refused:", e, flush=True)
+"""
+
+
+def holders(folder: Path, n: int, hold_s: float, start_in: float = 1.5):
+    start = time.time() + start_in
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", HOLD, str(folder), str(start), str(hold_s)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.slow
+def test_processes_racing_for_the_lock_one_wins(tmp_path):
+    outs = [p.communicate(timeout=60)[0] for p in holders(tmp_path / "run", 4, 3.0)]
+    assert sorted(o.split(":")[0].strip() for o in outs) == ["refused"] * 3 + ["won"], outs
+    assert all("wait for it or choose another folder" in o for o in outs if o.startswith("ref"))
+    assert not (tmp_path / "run" / ".lock").exists()
+
+
+@pytest.mark.slow
+def test_a_sigkilled_holder_is_taken_over(tmp_path, capsys):
+    (p,) = holders(tmp_path, 1, 60.0, start_in=0)
+    assert p.stdout.readline() == "won\n"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert (tmp_path / ".lock").exists()  # SIGKILL leaves the lock behind
+    with RunLock(tmp_path, "gptrain train"):
+        assert held_by_me(tmp_path)
+    assert f"pid {p.pid} is not running" in capsys.readouterr().err
