@@ -105,6 +105,11 @@ class TrainConfig:
         "attention kernel: sdpa (scaled_dot_product_attention), matmul (explicit matmuls, float32 softmax, 128 queries at a time), or auto: the faster of the two, timed at start-up (cached per machine)",
         ("auto", "sdpa", "matmul"),
     )
+    loss: str = opt(
+        "auto",
+        "output-head loss: chunked (never the full logits), full (the full logits, then cross-entropy), or auto: the faster of the two where the full logits fit, timed at start-up (cached per machine)",
+        ("auto", "chunked", "full"),
+    )
     tf32: bool = opt(
         True,
         "on CUDA, float32 matmuls may use TensorFloat-32 (Ampere and newer): much faster, ~3 significant digits; MFU's measured peak uses the same setting",
