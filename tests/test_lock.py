@@ -49,8 +49,16 @@ def test_a_second_holder_is_refused_with_one_line(tmp_path):
         f"run folder {run} is in use by gptrain train (host {socket.gethostname()}, pid {os.getpid()}, since "
     )
     assert msg.endswith("); wait for it or choose another folder")
-    assert not (run / ".lock").exists()  # the holder released it; the refused one left nothing
-    assert sorted(os.listdir(run)) == []
+    assert not run.exists()  # released: the folder it created, empty, is gone too
+
+
+def test_the_folder_and_what_was_written_in_it_stay(tmp_path):
+    with RunLock(tmp_path / "run", "gptrain train"):
+        (tmp_path / "run" / "config.toml").write_text("")
+    assert os.listdir(tmp_path / "run") == ["config.toml"]
+    with RunLock(tmp_path, "gptrain train"):
+        pass
+    assert tmp_path.is_dir()  # not created by the lock: kept although empty of a lock
 
 
 def test_released_on_an_error_and_taken_again_by_the_same_process(tmp_path):
@@ -61,6 +69,7 @@ def test_released_on_an_error_and_taken_again_by_the_same_process(tmp_path):
     with RunLock(run, "gptrain race"):
         assert json.loads((run / ".lock").read_text())["what"] == "gptrain race"
     assert not (run / ".lock").exists()
+    assert (tmp_path / "a").is_dir()
 
 
 def test_a_dead_process_lock_is_taken_over_with_a_line(tmp_path, capsys):

@@ -152,6 +152,7 @@ class RunLock:
         return tmp
 
     def acquire(self) -> None:
+        self.made = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(8)
         self.started = time.time()
@@ -233,7 +234,8 @@ class RunLock:
                 print(f"gptrain: warning: run folder lock heartbeat: {e}", file=sys.stderr)
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lock if it is still this process's."""
+        """Stop the heartbeat and remove the lock if it is still this process's; the folder too
+        when the lock created it and nothing else was written there."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -241,3 +243,6 @@ class RunLock:
         with _guard(self.folder):
             if self._mine():
                 self.path.unlink(missing_ok=True)
+        if self.made:  # a start that wrote nothing leaves no folder behind
+            with contextlib.suppress(OSError):
+                self.folder.rmdir()
