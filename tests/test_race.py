@@ -3,6 +3,7 @@ and compute multiplier on synthetic runs; a 2-config x 2-seed race of the debug 
 the table, race.png); a stopped race continuing with the runs it lacks; one run per GPU as
 subprocesses (two CPU slots here); bad input."""
 
+import dataclasses
 import json
 import math
 import random
@@ -260,9 +261,9 @@ def test_a_race_of_two_configs_writes_race_json_the_table_and_race_png(
     assert (out / "race.png").read_bytes()[:4] == b"\x89PNG"
     for run in race["runs"]:  # ordinary run directories
         assert (out / run["config"] / f"seed_{run['seed']}" / "summary.json").is_file()
-    # the folder now holds this race: other configs there are refused, nothing run
+    # the folder now holds this race: other overrides there are refused, nothing run
     assert cli(race_args(configs, out, byte_data, "--optim.lr=1e-3")) == 2
-    assert "holds a race of other configs" in capsys.readouterr().err
+    assert "holds a race run with other overrides" in capsys.readouterr().err
 
 
 def test_a_stopped_race_continues_with_the_runs_it_lacks(configs, byte_data, tmp_path, monkeypatch):
@@ -302,6 +303,46 @@ def test_a_stopped_race_continues_with_the_runs_it_lacks(configs, byte_data, tmp
     assert all(r["status"] == "done" and r["curve"]["tokens"][-1] == 8192 for r in race["runs"])
     base = [r["val_loss"] for r in race["runs"] if r["config"] == "debug"]
     assert race["target"] == pytest.approx(sum(base) / 2)
+
+
+def listing(folder) -> dict:
+    """Every file under `folder` with its size and modification time: what was written."""
+    return {
+        str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in folder.rglob("*") if f.is_file()
+    }
+
+
+def test_a_race_trains_from_its_plan_and_refuses_a_config_file_edited_since(
+    configs, byte_data, tmp_path, monkeypatch, capsys
+):
+    """The baseline's file is edited after the race's first run: its later run still trains
+    the plan's config; the same command then is refused (one line naming the file, nothing
+    written), and continues once the file is restored."""
+    mine = [str(tmp_path / "debug.toml"), str(tmp_path / "fast.toml")]
+    for src, dst in zip(configs, mine, strict=True):
+        (tmp_path / dst).write_text(open(src).read())
+    original = open(mine[0]).read()
+    in_process, out = race_cmd._train_in_process, tmp_path / "race"
+
+    def train_then_edit(argv):
+        code = in_process(argv)
+        (tmp_path / "debug.toml").write_text(original.replace("lr = 3e-3", "lr = 5e-2"))
+        return code
+
+    monkeypatch.setattr(race_cmd, "_train_in_process", train_then_edit)
+    assert cli(race_args(mine, out, byte_data)) == 0
+    monkeypatch.undo()
+    for seed in (1, 2):  # both seeds trained the plan's lr, not the edited file's
+        assert "\nlr = 0.003\n" in (out / "debug" / f"seed_{seed}" / "config.toml").read_text()
+    capsys.readouterr()
+    before = listing(out)
+    assert cli(race_args(mine, out, byte_data)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--config {mine[0]} changed since the race" in err[0]
+    assert "restore the file" in err[0] and listing(out) == before
+    (tmp_path / "debug.toml").write_text(original)
+    assert cli(race_args(mine, out, byte_data)) == 0  # restored: the race is whole
+    assert json.loads((out / "race.json").read_text())["runs"][2]["status"] == "done"
 
 
 def test_with_several_gpus_the_runs_go_one_per_gpu_as_subprocesses(
@@ -355,3 +396,15 @@ def test_bad_input_is_one_line_and_nothing_is_written(
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_the_plans_config_text_loads_back_equal_even_with_a_newline_in_a_string(tmp_path):
+    """configs/default.toml's sample prompt holds a newline: the plan's text keeps it escaped."""
+    from gptrain.config.load import load_config
+
+    cfg = load_config("configs/default.toml")
+    assert cfg.eval.sample_prompt == "ROMEO:\n"
+    prompt = cfg.eval.sample_prompt + 'a "b"\\ c\x7f\t'  # quotes, a backslash, DEL, a tab
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, sample_prompt=prompt))
+    (tmp_path / "c.toml").write_text(race_cmd.config_text(cfg))
+    assert load_config(str(tmp_path / "c.toml")) == cfg

@@ -12,7 +12,10 @@
     --hellaswag              also score HellaSwag at the end of each run (eval.hellaswag)
     --section.key=value      an override applied to every run
 
-Each run is `gptrain train --config FILE [overrides] --train.seed=K --run.dir=DIR/<config>/seed_K`,
+The race is frozen at its start: DIR/plan.json holds each config as resolved (file + overrides),
+and each run is `gptrain train --config DIR/<config>/config.toml --train.seed=K
+--run.dir=DIR/<config>/seed_K`, that config.toml written from the plan (a config file edited
+mid-race changes nothing; the next command naming it is refused). The runs are
 trained in this process one after another (its output goes to stderr); on a machine with several
 GPUs, when every run is one process, one run per GPU at a time (subprocesses, CUDA_VISIBLE_DEVICES).
 A race stopped part-way continues when the same command runs again: every run directory resumes,
@@ -24,6 +27,7 @@ on stdout. The statistics are explained in docs/race.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -35,13 +39,14 @@ from pathlib import Path
 
 from gptrain.cache import atomic_write_bytes
 from gptrain.config.cli import parse_cli
-from gptrain.config.load import Config, load_config, to_toml
+from gptrain.config.load import SECTIONS, Config, key_name, load_config
 from gptrain.errors import UserError, first_line
 from gptrain.logs.plot import read_metrics
 from gptrain.logs.race import analyse, curve_from_metrics
 from gptrain.logs.race_report import markdown_table, plot_race
 
 PLAN = "plan.json"  # the race's configs as resolved, checked when the race continues
+CONFIG = "config.toml"  # OUT/<label>/config.toml: the plan's config, which its runs train
 
 
 class Stopped(Exception):
@@ -166,8 +171,25 @@ def check_comparable(paths: list[str], cfgs: list[Config]) -> None:
             )
 
 
-def plan(args: Args) -> tuple[list[str], list[Config], list[Job]]:
-    """Every config loaded and checked, and the runs, before anything is written."""
+@dataclass(frozen=True)
+class Plan:
+    """The race as resolved before anything runs: each config's label, file and resolved config
+    (its TOML text is what every run of it trains), and the runs in order."""
+
+    labels: list[str]
+    files: dict[str, str]  # label -> the --config file it was resolved from
+    cfgs: list[Config]
+    texts: dict[str, str]  # label -> to_toml(resolved config): the plan's config
+    jobs: list[Job]
+    overrides: list[str]
+
+    def as_json(self) -> dict:
+        return {"configs": self.texts, "files": self.files, "overrides": self.overrides}
+
+
+def plan(args: Args) -> Plan:
+    """Every config loaded and checked, and the runs, before anything is written. Each run
+    trains from OUT/<label>/config.toml, written from the plan's text (never from the file)."""
     labels = run_labels(args.configs)
     cfgs, jobs = [], []
     for path, label in zip(args.configs, labels, strict=True):
@@ -177,29 +199,70 @@ def plan(args: Args) -> tuple[list[str], list[Config], list[Job]]:
         cfgs.append(load_config(path, extra))
         for seed in range(1, args.seeds + 1):
             run_dir = args.out / label / f"seed_{seed}"
-            argv = ["--config", path, *(f"--{o}" for o in extra)]
+            argv = ["--config", str(args.out / label / CONFIG)]
             argv += [f"--train.seed={seed}", f"--run.dir={run_dir}"]
             jobs.append(Job(label, seed, run_dir, tuple(argv)))
     check_comparable(args.configs, cfgs)
     # seed by seed, every config in turn: a drift of the machine's speed falls on every config
     # alike, and a race stopped part-way has as many seeds of each
     jobs.sort(key=lambda j: (j.seed, labels.index(j.label)))
-    return labels, cfgs, jobs
+    texts = {label: config_text(cfg) for label, cfg in zip(labels, cfgs, strict=True)}
+    files = dict(zip(labels, args.configs, strict=True))
+    return Plan(labels, files, cfgs, texts, jobs, list(args.overrides))
 
 
-def check_plan(out: Path, labels: list[str], cfgs: list[Config]) -> dict:
-    """The plan this race writes to OUT/plan.json; a folder that holds a race of other configs
-    (or the same configs edited since) is refused, since its runs would resume the old ones."""
-    mine = {"configs": {label: to_toml(cfg) for label, cfg in zip(labels, cfgs, strict=True)}}
+def check_plan(out: Path, p: Plan) -> None:
+    """A folder that holds a race of other configs, or of the same files edited since, is
+    refused: its runs would continue the old ones under the same names."""
     path = out / PLAN
-    if path.is_file():
-        theirs = json.loads(path.read_text()).get("configs", {})
-        if list(theirs) != labels or theirs != mine["configs"]:
-            changed = [k for k in labels if theirs.get(k) != mine["configs"][k]] or list(theirs)
-            raise UserError(
-                f"--out {out} holds a race of other configs or overrides ({', '.join(changed)} differ from this command's); run the same command to continue it, or choose another --out"
-            )
-    return mine
+    if not path.is_file():
+        return
+    theirs = json.loads(path.read_text())
+    old = theirs.get("configs", {})
+    if list(old) != p.labels:
+        raise UserError(
+            f"--out {out} holds a race of other configs ({', '.join(old) or 'none'}; this command races {', '.join(p.labels)}); run that race's command to continue it, or choose another --out"
+        )
+    changed = [label for label in p.labels if old[label] != p.texts[label]]
+    if not changed:
+        return
+    if theirs.get("overrides", p.overrides) != p.overrides:
+        raise UserError(
+            f"--out {out} holds a race run with other overrides ({' '.join('--' + o for o in theirs['overrides']) or 'none'}); run it with the same overrides to continue it, or choose another --out"
+        )
+    label = changed[0]
+    raise UserError(
+        f"--config {p.files[label]} changed since the race in {out} began ({out}/{PLAN} holds {label} as it was, also in {out}/{label}/{CONFIG}); restore the file to continue the race, or race the edited config into a new --out"
+    )
+
+
+def config_text(cfg: Config) -> str:
+    """The resolved config as TOML: to_toml's text, with each string written with JSON's
+    escapes (valid in a TOML basic string), so a value holding a newline (a sample prompt)
+    loads back as it was."""
+
+    def fmt(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+        return repr(v)
+
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        items = dataclasses.asdict(getattr(cfg, section)).items()
+        lines += [f"{key_name(k)} = {fmt(v)}" for k, v in items]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_configs(out: Path, p: Plan) -> None:
+    """OUT/plan.json and, from it, each config's OUT/<label>/config.toml that its runs train."""
+    atomic_write_bytes(out / PLAN, json.dumps(p.as_json(), indent=2).encode())
+    for label in p.labels:
+        (out / label).mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out / label / CONFIG, p.texts[label].encode())
 
 
 def _train_in_process(argv: list[str]) -> int:
@@ -331,10 +394,11 @@ def record(job: Job, code: int, fpt: float) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    labels, cfgs, jobs = plan(args)
-    plan_json = check_plan(args.out, labels, cfgs)
+    p = plan(args)
+    check_plan(args.out, p)
     args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(args.out / PLAN, json.dumps(plan_json, indent=2).encode())
+    write_configs(args.out, p)
+    labels, cfgs, jobs = p.labels, p.cfgs, p.jobs
     try:
         codes = run_all(jobs, gpu_slots(cfgs), args.out / "logs")
     except Stopped as e:
