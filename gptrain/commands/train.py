@@ -19,9 +19,11 @@ logging, eval and checkpoint steps is in gptrain/training/run.py, one named func
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.cli import parse_cli
@@ -35,6 +37,7 @@ from gptrain.training import attempts, batch
 from gptrain.training import run as phases
 from gptrain.training.evaluator import Due
 from gptrain.training.guards import NonFiniteStop, Preemption, rollback_point
+from gptrain.training.meter import carried, carry
 from gptrain.training.precision import nondeterministic_op
 
 
@@ -96,6 +99,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption
             # the checkpoint before evaluation: an evaluation that fails cannot cost it
             if save:
                 watchdog.enter("save", step)
+                checkpointer.meta["logged"] = carry(step, metrics)  # a killed eval loses none
                 saved = checkpointer.save(wait=last_step or stop)  # complete before a stop
                 ledger.progress()  # the attempt's time accounting so far (goodput), main only
             # once in a while: evaluate, then log the step
@@ -128,12 +132,63 @@ def _before_loop(run, cfg: Config, preemption: Preemption, watchdog: Watchdog, l
         run.logger.log(0, {"tokens": 0, **run.evaluate(0, due, watchdog)})
     t = cfg.train
     if state.step >= t.max_steps or state.out_of_time(duration_s(t.time_budget)):  # nothing to do
+        if run.resumed_from is not None:  # ... unless the run was killed before it finished
+            row, done = dist.from_main(run.info, lambda: _ended(cfg.run.dir, state))
+            if not done:
+                return _complete(run, cfg, watchdog, ledger, row)
         run.logger.text(
             f"already trained to step {state.step} (train.max_steps = {t.max_steps}, train.time_budget = {t.time_budget!r}); raise them to continue"
         )
         run.close()
         return _counts(run)
     return None
+
+
+def _ended(run_dir, state) -> tuple[dict | None, bool]:
+    """Main process, for a run at its end: (metrics.jsonl's row of its step or None, whether it
+    finished: that row logged and summary.json holding this step's summary). Data only."""
+    run_dir, row = Path(run_dir), None
+    path = run_dir / "metrics.jsonl"
+    for line in reversed(path.read_text().splitlines() if path.is_file() else []):
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if isinstance(row, dict) and row.get("step") == state.step:
+            break
+        row = None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return row, False
+    counts = (summary.get("steps"), summary.get("tokens")) if isinstance(summary, dict) else None
+    return row, row is not None and counts == (state.step, state.tokens)
+
+
+def _complete(run, cfg: Config, watchdog: Watchdog, ledger, row: dict | None) -> dict:
+    """A run at its end (train.max_steps, or the time budget spent) whose last checkpoint was
+    saved but which was killed before it finished: what the uninterrupted run did after that
+    save, now. The final evaluations and the step's row (its training metrics from the
+    checkpoint's meta.json) unless metrics.jsonl has the row; then summary.json and the plot."""
+    state, step = run.state, run.state.step
+    run.logger.text(
+        f"step {step} is the end of the run and its checkpoint is saved, but the run did not finish: completing it ({'summary' if row else 'final evaluation, summary'}, plot)"
+    )
+    state.start_clock()
+    if row:  # killed after the row was logged, before summary.json
+        run.meter.last.update({k: v for k, v in row.items() if k != "step"})
+    else:
+        saved = dist.from_main(run.info, lambda: checkpoint.load_meta(run.resumed_from))
+        trained, problem = carried(saved.get("logged"), step, state.tokens)
+        if problem:
+            run.logger.text(
+                f"warning: step {step}'s training metrics are not logged: {problem} ({run.resumed_from})"
+            )
+        evals = run.evaluate(step, run.evaluator.due(step, True), watchdog)
+        run.meter.report(
+            step, {**trained, **({} if trained else {"tokens": state.tokens}), **evals}
+        )
+    return _after_loop(run, cfg, watchdog, ledger, None)
 
 
 def _counts(run) -> dict:

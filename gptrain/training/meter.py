@@ -1,7 +1,11 @@
 """The meter: it says when a step is logged (every log.every steps, and with every evaluation,
 save or stop), measures the steps since the last logged one (the loop's only host syncs: loss,
 gradient norm, tokens/s, MFU), and reports them (metrics.jsonl and trackers, train.log, the
-progress bar). Throughput intervals exclude evaluation, sampling and checkpoints."""
+progress bar). Throughput intervals exclude evaluation, sampling and checkpoints.
+
+A logged step's training metrics are measured before its checkpoint is written and logged after
+its evaluation; `carry` puts them in that checkpoint's meta.json ("logged"), so that a run killed
+in between logs them from there when it is completed (`carried`)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,11 @@ from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.runtime import DistInfo
 from gptrain.logs.mfu import checked_mfu, synchronize
+
+# the training metrics of a logged step (metrics.jsonl keys; spikes and rollbacks where their
+# policy is on), in the order `measure` writes them
+TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens", "tok_per_s", "mfu", "skipped", "train_s")
+OPTIONAL_KEYS = ("spikes", "rollbacks")
 
 
 class Meter:
@@ -76,9 +85,13 @@ class Meter:
             self.bar.update(1)
 
     def report(self, step: int, m: dict) -> None:
-        """metrics.jsonl and trackers, the progress bar and train.log's line; a new interval."""
+        """metrics.jsonl and trackers, the progress bar and train.log's line; a new interval. (A
+        completed run's final row may lack the training metrics: then no line.)"""
         self.logger.log(step, m)
         self.last.update(m)
+        self._steps, self._since = 0, time.perf_counter()
+        if "loss" not in m:
+            return
         if self.bar:
             self.bar.set_postfix(
                 loss=f"{m['loss']:.3f}",
@@ -91,4 +104,31 @@ class Meter:
             f"tok/s {m['tok_per_s']:,.0f} mfu {m['mfu']:.1%}",
             echo=self.bar is None,
         )
-        self._steps, self._since = 0, time.perf_counter()
+
+
+def carry(step: int, metrics: dict | None) -> dict | None:
+    """What a checkpoint's meta.json keeps of its step's training metrics ("logged"): the row
+    `measure` returned for the step (None on a step that is not logged)."""
+    return None if metrics is None else {"step": step, **metrics}
+
+
+def carried(logged, step: int, tokens: int) -> tuple[dict, str]:
+    """A checkpoint's "logged" entry read back as data: (the step's training metrics, "") when
+    it is the row of `step` at `tokens` with numbers under the meter's keys only; else ({}, what
+    is wrong with it)."""
+    if logged is None:
+        return {}, "its checkpoint does not record them"
+    if not isinstance(logged, dict) or logged.get("step") != step:
+        return {}, f"its checkpoint's record is not a row of step {step}"
+    row = {k: v for k, v in logged.items() if k != "step"}
+    missing = [k for k in TRAIN_KEYS if k not in row]
+    unknown = [k for k in row if k not in TRAIN_KEYS + OPTIONAL_KEYS]
+    bad = [k for k, v in row.items() if type(v) not in (int, float)]
+    if missing or unknown or bad:
+        return (
+            {},
+            f"its checkpoint's record is malformed (missing {missing}, unknown {unknown}, not numbers {bad})",
+        )
+    if row["tokens"] != tokens:
+        return {}, f"its checkpoint's record counts {row['tokens']} tokens, not {tokens}"
+    return row, ""
