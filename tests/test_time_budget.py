@@ -5,6 +5,7 @@ uninterrupted one does (bit for bit, with a clock that makes every step take 1 s
 import json
 import shutil
 
+import dist_helpers as h
 import pytest
 import torch
 from train_helpers import DEBUG, run, weights
@@ -13,6 +14,7 @@ import gptrain.training.state as state_module
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.sections import OptimConfig
+from gptrain.distributed import faults
 from gptrain.training.optim import cosine_lr
 
 # a budget of 6 s with steps of 1 s: 6 steps, well before max_steps
@@ -86,3 +88,26 @@ def test_a_budget_that_is_not_a_duration_is_one_line_exit_2(tmp_path, capsys, ba
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.time_budget" in err[0] and "90s, 10m or 2h" in err[0]
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_ddp_ranks_with_unequal_step_times_read_one_clock(byte_data, tmp_path):
+    """Rank 0's steps take 1 s, rank 1's 1.5 s (GPTRAIN_FAULT=step_time, per rank): both ranks
+    set the same lr and start every step from the same weights (bit for bit), stop at the same
+    step, and follow the lr schedule of one process whose steps take 1.5 s (the slower clock)."""
+    budget = [f"--data.dir={byte_data}", *(f"--{o}" for o in COMMON), "--checkpoint.every=0"]
+    out = tmp_path / "probe"
+    args = ["tests/replicas_worker.py", "probe", str(out), f"--run.dir={tmp_path / 'ddp'}"]
+    fault = {faults.ENV: "step_time@1/0,step_time@1.5/1"}
+    procs = h.spawn([*args, *budget, "--dist.mode=ddp"], **fault)
+    h.check_ok(h.wait_all(procs, h.TIMEOUT))
+    ranks = [json.loads(out.with_suffix(f".{r}").read_text()) for r in range(2)]
+    assert ranks[0]["steps"] == ranks[1]["steps"]  # every step: the same lr, the same weights
+    assert ranks[0]["train_s"] == ranks[1]["train_s"] == 6.0  # 1.5 s x 4, agreed
+    assert ranks[0]["done"] == ranks[1]["done"] == 4  # 6 + 1.5 > 6: the budget is spent
+    faults.install(0, {faults.ENV: "step_time@1.5"})
+    try:
+        run(byte_data, tmp_path / "one", *COMMON, "checkpoint.every=0")
+    finally:
+        faults.install(0, {})
+    assert [s["lr"] for s in ranks[0]["steps"]] == list(lrs(tmp_path / "one").values())

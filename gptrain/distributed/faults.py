@@ -9,12 +9,17 @@
     GPTRAIN_FAULT=kill_eval@24/1      rank 1 SIGKILLs itself inside the evaluation at step 24
     GPTRAIN_FAULT=kill_save@8         rank 0 SIGKILLs itself while step 8's checkpoint is written:
                                       every file is in its temporary folder, not yet published
+    GPTRAIN_FAULT=perturb@5/1         after step 5's update, rank 1 moves one weight by one ulp (a
+                                      replica that drifted: the next checkpoint's replica check)
+    GPTRAIN_FAULT=step_time@0.25      every step counts as 0.25 s of training time (train.time_budget's
+                                      clock made deterministic; step_time@1.5/1: rank 1's only)
 
-STEP is the optimizer step being trained (1 is the first); without /RANK a fault fires on every
-rank. A fault fires the first time its step is trained in a process (a `spike` rolled back past
+STEP is the optimizer step being trained (1 is the first), for step_time a number of seconds
+(> 0); without /RANK a fault fires on every rank. A fault fires the first time its step is trained in a process (a `spike` rolled back past
 does not come back), and again in a new process that trains that step (a run resumed from before
 it). Unset or empty, nothing here costs anything: `in_step` returns one shared null context and
-`stall_save`, `publish_error`, `kill_save`, `eval_error` and `kill_eval` return at once. An
+`stall_save`, `publish_error`, `kill_save`, `eval_error` and `kill_eval` return at once, and
+`step_seconds` returns None. An
 unknown kind or a malformed entry is one line (UserError, exit 2) before anything starts. `install` is called once per
 process by `gptrain train`; the loop, the evaluator and the checkpoint code ask this module at
 their spots.
@@ -24,11 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
+
+import torch
 
 from gptrain.errors import UserError
 
@@ -42,6 +50,8 @@ KINDS = (
     "kill_save",
     "eval_error",
     "kill_eval",
+    "perturb",
+    "step_time",
 )
 SPIKE_FACTOR = 20.0
 _NULL = contextlib.nullcontext()
@@ -50,8 +60,19 @@ _NULL = contextlib.nullcontext()
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    step: int
+    step: int | float  # step_time: seconds
     rank: int | None  # None: every rank
+
+
+def _number(kind: str, text: str) -> int | float | None:
+    """The entry's STEP (an integer >= 1), or for step_time its seconds (> 0, finite); None: bad."""
+    if kind != "step_time":
+        return int(text) if text.isdigit() and int(text) >= 1 else None
+    try:
+        seconds = float(text)
+    except ValueError:
+        return None
+    return seconds if 0 < seconds < float("inf") else None
 
 
 def parse(spec: str) -> list[Fault]:
@@ -65,23 +86,36 @@ def parse(spec: str) -> list[Fault]:
         fix = f"use KIND@STEP[/RANK] with KIND one of {', '.join(KINDS)}, e.g. {ENV}=hang@5/1"
         if kind not in KINDS:
             raise UserError(f"{ENV} = {spec!r}: unknown fault kind {kind!r} in {entry!r}; {fix}")
-        if not at or not step.isdigit() or int(step) < 1 or (slash and not rank.isdigit()):
+        number = _number(kind, step) if at else None
+        if number is None or (slash and not rank.isdigit()):
             raise UserError(
-                f"{ENV} = {spec!r}: malformed entry {entry!r} (STEP >= 1, RANK >= 0); {fix}"
+                f"{ENV} = {spec!r}: malformed entry {entry!r} (STEP >= 1, step_time's seconds > 0, RANK >= 0); {fix}"
             )
-        faults.append(Fault(kind, int(step), int(rank) if slash else None))
+        faults.append(Fault(kind, number, int(rank) if slash else None))
     return faults
 
 
 _active: dict[tuple[str, int], bool] = {}  # (kind, step) -> fires on this rank
+_step_time: float | None = None  # step_time: the seconds every step of this rank counts as
 
 
 def install(rank: int, env=os.environ) -> None:
     """Read GPTRAIN_FAULT for this process (rank); raises UserError when it is malformed."""
+    global _step_time
     _active.clear()
+    _step_time = None
     for f in parse(env.get(ENV, "")):
-        if f.rank is None or f.rank == rank:
+        if f.rank is not None and f.rank != rank:
+            continue
+        if f.kind == "step_time":
+            _step_time = f.step
+        else:
             _active[(f.kind, f.step)] = True
+
+
+def step_seconds() -> float | None:
+    """step_time: the training time each step of this rank counts as (None: the clock's)."""
+    return _step_time
 
 
 def fires(kind: str, step: int) -> bool:
@@ -102,7 +136,8 @@ def _kill(what: str) -> None:
 def in_step(step: int, model):
     """The context the loop trains optimizer step `step` in: hang and crash act on entry, spike
     multiplies the model's loss (hence every gradient) by SPIKE_FACTOR through a forward hook on
-    the plain model (under DDP and FSDP2 too) for this step only."""
+    the plain model (under DDP and FSDP2 too) for this step only, perturb moves the first element
+    of the model's first parameter by one ulp on exit (after the step's update)."""
     if not _active:
         return _NULL
     if fires("crash", step):
@@ -115,7 +150,20 @@ def in_step(step: int, model):
     if fires("spike", step):
         del _active[("spike", step)]  # once per process: a rollback past it does not meet it again
         return _spiked(model)
+    if fires("perturb", step):
+        del _active[("perturb", step)]
+        return _perturbed(model, step)
     return _NULL
+
+
+@contextlib.contextmanager
+def _perturbed(model, step: int):
+    yield
+    name, p = next(iter(model.named_parameters()))
+    local = p.detach()  # a plain tensor (DDP, one process); FSDP2: this rank's shard
+    flat = (local.to_local() if hasattr(local, "to_local") else local).view(-1)
+    flat[:1] = torch.nextafter(flat[:1], torch.full_like(flat[:1], math.inf))
+    _announce(f"perturb at step {step}: {name}[0] moved by one ulp on this rank")
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from gptrain.cache import atomic_write_bytes
 from gptrain.checkpoint import manager as checkpoint
+from gptrain.config.fields import duration_s
 from gptrain.config.load import Config, to_toml
 from gptrain.config.sections import OptimConfig
 from gptrain.data.loader import Dataset, TrainLoader
@@ -97,7 +98,8 @@ class Run:
 
     def set_lr(self, o: OptimConfig, max_steps: int, budget_s: float | None) -> float:
         """This step's learning rate, set on the optimizer: the schedule read at the step, or
-        with train.time_budget at the share of the budget spent."""
+        with train.time_budget at the further along of the step and the share of the budget
+        spent (TrainState.schedule_step; the training time is agreed by every rank)."""
         lr = lr_at(self.state.schedule_step(o.warmup_steps, max_steps, budget_s), o, max_steps)
         set_lr(self.optimizer, lr, o)
         return lr
@@ -227,7 +229,10 @@ def _build(
     )
     evaluator = Evaluator(e, val, hellaswag, tokenizer, t.seed)
     parts = (model, optimizer, loader)
-    checkpointer = Checkpointer(cfg.checkpoint, cfg.run.dir, info, parts, state, meta, background)
+    budget_s = duration_s(t.time_budget)  # None: no train.time_budget
+    checkpointer = Checkpointer(
+        cfg.checkpoint, cfg.run.dir, info, parts, state, meta, background, budget_s
+    )
     checkpointer.best = evaluator.best  # each checkpoint records the best validation so far
     meter = Meter(cfg.log.every, t, model.flops_per_token(t.seq_len), info)
     return Run(

@@ -20,9 +20,17 @@ class Checkpointer:
     """Saves and restores the run's stateful parts: model, optimizer, loader and train state."""
 
     def __init__(
-        self, c: CheckpointConfig, run_dir, info, parts: tuple, state: TrainState, meta, background
+        self,
+        c: CheckpointConfig,
+        run_dir,
+        info,
+        parts: tuple,
+        state: TrainState,
+        meta,
+        background,
+        budget_s: float | None = None,
     ):
-        self.c, self.run_dir, self.info = c, run_dir, info
+        self.c, self.run_dir, self.info, self.budget_s = c, run_dir, info, budget_s
         self.model, self.optimizer, self.loader = parts
         self.state, self.meta = state, meta  # meta: what every meta.json records beside counters
         self.background = background  # checkpoint.async, decided at start (background_saves)
@@ -32,13 +40,15 @@ class Checkpointer:
         self._saved_at = time.monotonic()
 
     def due(self, step: int, last_step: bool, out_of_time: bool, preemption: Preemption):
-        """Collective: (save now, stop now, last step). One tiny all-reduce agrees on a stop
-        signal, checkpoint.every_minutes and the time budget (`out_of_time`) by any rank's
-        clock; the last step (train.max_steps or the budget spent) and a stop save too."""
+        """Collective: (save now, stop now, last step). One tiny all-reduce (TrainState.agree)
+        agrees on a stop signal, checkpoint.every_minutes by any rank's clock and the training
+        time (the maximum over the ranks); the time budget is then read from that agreed time,
+        the same on every rank (`out_of_time`, from this rank's own time, can only be true where
+        the agreed one is). The last step (train.max_steps or the budget spent) and a stop save."""
         every_s = self.c.every_minutes * 60
         timed = bool(every_s) and time.monotonic() - self._saved_at >= every_s
-        stop, timed, out_of_time = preemption.agreed_with(timed, out_of_time)
-        last_step = last_step or out_of_time
+        stop, timed = self.state.agree(preemption.received is not None, timed)
+        last_step = last_step or self.state.out_of_time(self.budget_s)
         every = self.c.every > 0 and step % self.c.every == 0
         return last_step or timed or every or stop, stop, last_step
 

@@ -3,7 +3,13 @@
     state = TrainState(nonfinite, spikes, scaler)
     state.load_state_dict(saved)        # resume: step, tokens, clock, guards, GradScaler, W&B id
     ...; state.advance(tokens)          # after each optimizer step
+    stop, timed = state.agree(stop, timed)   # every step: one all-reduce; the clock agreed too
     checkpoint["train_state"] = state.state_dict()
+
+The training-time clock (train.time_budget's) is one number every rank agrees on: each step
+adds this rank's step time to the agreed total, and `agree` (one small all-reduce the step
+boundary makes anyway, with the stop flags) replaces it by the maximum over the ranks, so the lr
+schedule of the next step and the stop decision read the same number on every rank.
 
 Its keys are the checkpoint's `train_state` entries; a checkpoint that lacks one of them (written
 before it existed) resumes with that part's fresh value, which is what the run it came from had.
@@ -15,6 +21,8 @@ import time
 
 import torch
 
+from gptrain.distributed import faults
+from gptrain.distributed import runtime as dist
 from gptrain.training.guards import NonFinite, Spikes
 
 clock = time.perf_counter  # the training-time clock (a test may replace it)
@@ -30,7 +38,7 @@ class TrainState:
         self.tokens = 0
         self.rollbacks = 0
         self.wandb_run_id: str | None = None
-        self.train_s = 0.0  # time in optimizer steps, every attempt (train.time_budget's clock)
+        self.train_s = 0.0  # time in optimizer steps, every attempt, agreed by every rank
         self._elapsed_before = 0.0  # loop time of the attempts before this one
         self._started: float | None = None  # when this attempt's loop started
         self._step_began: float | None = None
@@ -52,14 +60,26 @@ class TrainState:
 
     def advance(self, tokens: int) -> None:
         """After an optimizer step: its time counts as training time, except an attempt's
-        first step when it compiles."""
+        first step when it compiles (GPTRAIN_FAULT=step_time: a fixed time per step)."""
         if self._untimed:
             self._untimed -= 1
         elif self._step_began is not None:
-            self._last_step_s = clock() - self._step_began
+            fixed = faults.step_seconds()
+            self._last_step_s = clock() - self._step_began if fixed is None else fixed
             self.train_s += self._last_step_s
         self.step += 1
         self.tokens += tokens
+
+    def agree(self, *flags: bool) -> tuple[bool, ...]:
+        """Collective (every rank, every step boundary): for each flag, whether it holds on any
+        rank; and the training time and the last step's time become the maximum over the ranks,
+        in one all-reduce of a small CPU tensor (gloo; under nccl the process group sends CPU
+        tensors over gloo: no device sync)."""
+        values = torch.tensor([*flags, self.train_s, self._last_step_s], dtype=torch.float64)
+        if dist.active():
+            torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+        *agreed, self.train_s, self._last_step_s = values.tolist()
+        return tuple(bool(f) for f in agreed)
 
     def schedule_step(self, warmup_steps: int, max_steps: int, budget_s: float | None) -> float:
         """The step the lr schedule is read at: the step itself, or with a time budget, after the
