@@ -56,8 +56,8 @@ def train(data_dir: str, *overrides: str, steps: int = STEPS) -> tuple:
     accum = accumulation_steps(t.total_batch_size, t.micro_batch_size, t.seq_len, info.world_size)
     shapes, losses, original = [], [], muon.orthogonalise
 
-    def counted(g, *args, **kwargs):
-        shapes.append(list(g.shape))
+    def counted(g, *args, **kwargs):  # a stack (B, m, n) is B matrices of shape (m, n)
+        shapes.extend([list(g.shape[-2:])] * (g.shape[0] if g.dim() == 3 else 1))
         return original(g, *args, **kwargs)
 
     muon.orthogonalise = counted

@@ -37,10 +37,11 @@ def _matrices(n_layer: int, n_embd: int) -> list[tuple[int, int]]:
 
 
 class _MatmulFlops(torch.overrides.TorchFunctionMode):
-    """Counts 2 m k n for every matrix product computed inside it (mm, matmul, @, addmm)."""
+    """Counts 2 m k n for every matrix product computed inside it (mm, matmul, @, addmm), B times
+    that for a batched one (bmm, baddbmm)."""
 
     PRODUCTS = {torch.mm, torch.matmul, torch.Tensor.mm, torch.Tensor.matmul, torch.Tensor.__matmul__}  # fmt: skip
-    ADD_PRODUCTS = {torch.addmm, torch.Tensor.addmm}
+    ADD_PRODUCTS = {torch.addmm, torch.Tensor.addmm, torch.bmm, torch.baddbmm}
 
     def __init__(self):
         super().__init__()
@@ -49,7 +50,8 @@ class _MatmulFlops(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self.PRODUCTS or func in self.ADD_PRODUCTS:
             a, b = args[-2:]
-            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            batch = a.shape[0] if a.dim() == 3 else 1
+            self.flops += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
         return func(*args, **(kwargs or {}))
 
 
@@ -58,6 +60,9 @@ def test_ns_flops_counts_what_orthogonalise_multiplies():
         with _MatmulFlops() as counter:
             orthogonalise(torch.randn(shape), 5, torch.float32)
         assert counter.flops == ns_flops(shape, 5), shape
+        with _MatmulFlops() as counter:  # a stack: the same products, batched
+            orthogonalise(torch.randn(3, *shape), 5, torch.float32)
+        assert counter.flops == 3 * ns_flops(shape, 5), shape
 
 
 def test_owners_divide_the_newton_schulz_work():

@@ -11,6 +11,14 @@ orthogonalisation is within 1e-5 of the same iteration in float64 (max abs error
 on entries of ~0.1-0.6, where bf16 is ~1e-2 off; same test file). It also runs on a torch
 without torch.optim.Muon (< 2.9).
 
+Batched: the matrices one rank orthogonalises that share a shape (GPT-2's 12 blocks: 12 each of
+4 shapes) are one stack (B, m, n), orthogonalised with one batched matrix product per product of
+the iteration instead of B (`orthogonalise` on a 3-D tensor; `Muon(batched=False)` keeps the
+per-matrix path). Each matrix keeps its own norm, so the result is the per-matrix one within
+rounding (float32: 1e-5, bf16: a few of its steps; tests/test_optim.py; on this CPU the bits
+came out equal). A matrix alone in its stack takes the 2-D path, torch.optim.Muon's. The update
+is written straight into its slot of the stack in the orthogonalisation's dtype (`Update`).
+
 Several processes (docs/distributed.md, "Muon under FSDP2 and DDP"): each matrix has one owner
 rank (`assign_owners`: largest first to the least-loaded rank, so each rank's Newton-Schulz work
 is at most 1/N of the total plus the largest matrix's). Under FSDP2 (parameters sharded by rows,
@@ -19,7 +27,10 @@ orthogonalises the whole matrix and scatters the result's row blocks back; each 
 block to its shard, and the momentum stays sharded (a DTensor, saved by DCP like any optimizer
 state). Under DDP with `split` the owner orthogonalises and broadcasts, so every replica applies
 the same bytes; without it every rank orthogonalises every matrix (`redundant`). Either way each
-matrix's update is the one a single process computes from the same gradient.
+matrix's update is the one a single process computes from the same gradient. Batching applies to
+the matrices of one owner: a DDP owner broadcasts each stack as soon as it is done (the sends
+overlap its next stack's work); under FSDP2 the row blocks are gathered straight into the
+owner's stack.
 
 The optimizer keeps torch.optim.Muon's layout: the same param-group keys (lr, weight_decay,
 momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) and one state entry per matrix,
@@ -30,6 +41,7 @@ are not part of that state: they are properties of the machine a run is on, not 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,18 +63,29 @@ def orthogonalise(
 ) -> Tensor:
     """~U V^T of g = U S V^T by `steps` Newton-Schulz iterations in `dtype` (the singular values
     land in roughly [0.5, 1.5], which is all Muon needs). Returns a new tensor in `dtype`, never
-    g itself. Works on the wide orientation (rows <= cols), where the Gram matrix is smaller."""
+    g itself. Works on the wide orientation (rows <= cols), where the Gram matrix is smaller.
+
+    g is one matrix (m, n) or a stack of matrices of one shape (B, m, n), each orthogonalised on
+    its own (its own norm) but all B in one batched matrix product per product of the iteration:
+    B times fewer kernels, each B times larger (the same FLOPs)."""
     a, b, c = coefficients
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     x = g.to(dtype)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm = 1
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
-        x = torch.addmm(x, poly, x, beta=a)  # a X + (b G + c G^2) X
-    return x.T if tall else x
+        x = x.mT
+    if x.dim() == 2:
+        x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm = 1
+        for _ in range(steps):
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
+            x = torch.addmm(x, poly, x, beta=a)  # a X + (b G + c G^2) X
+    else:
+        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = torch.bmm(x, x.mT)
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+    return x.mT if tall else x
 
 
 def ns_flops(shape, steps: int) -> int:
@@ -96,12 +119,34 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+class Update(NamedTuple):
+    """What one matrix's orthogonalisation starts from: its momentum buffer, or with nesterov
+    grad.lerp(buf, momentum). Written straight into the place the plan needs it (a slot of a stack,
+    a row block to send) in the orthogonalisation's dtype, and only by a rank that orthogonalises
+    it: no intermediate copy, and a DDP replica that receives the matrix computes nothing."""
+
+    grad: Tensor
+    buf: Tensor
+    weight: float | None  # nesterov: the momentum; None: the buffer itself
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.buf.shape
+
+    def write(self, out: Tensor) -> Tensor:
+        if self.weight is None:
+            return out.copy_(self.buf)
+        return torch.lerp(self.grad, self.buf, self.weight, out=out)  # rounded once, into out
+
+
 class Muon(torch.optim.Optimizer):
     """Muon over 2-D parameters: per matrix, momentum (nesterov by default), its orthogonalisation
     in `dtype`, decoupled weight decay p *= 1 - lr * weight_decay (the group's lr, without
     lr_scale), then p -= lr * lr_scale(p.shape) * update. Groups and state as torch.optim.Muon's
     (module docstring). Parameters sharded by rows (FSDP2) are orthogonalised whole on one owner
-    rank each; plain parameters of a run with 2+ processes (DDP) are too when `split` is true."""
+    rank each; plain parameters of a run with 2+ processes (DDP) are too when `split` is true.
+    `batched`: the matrices a rank orthogonalises that share a shape go as one stack (False: one
+    at a time, the per-matrix path, kept for comparison)."""
 
     def __init__(
         self,
@@ -113,6 +158,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         dtype: torch.dtype = torch.bfloat16,
         split: bool = False,
+        batched: bool = True,
     ):
         defaults = dict(
             lr=lr,
@@ -125,7 +171,7 @@ class Muon(torch.optim.Optimizer):
             adjust_lr_fn="original",
         )
         super().__init__(params, defaults)
-        self.dtype = dtype
+        self.dtype, self.batched = dtype, batched
         matrices = [(p, g) for g in self.param_groups for p in g["params"]]
         for p, _ in matrices:
             if p.dim() != 2:
@@ -137,22 +183,40 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("Muon.step takes no closure")
         work = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        momenta = [self._momentum(p, g) for p, g in work]
-        updates = self.plan.orthogonalise(work, momenta, self.dtype)
+        sources = [self._momentum(p, g) for p, g in work]
+        updates = self.plan.orthogonalise(work, sources, self.dtype, self.batched)
         for (p, group), update in zip(work, updates, strict=True):
             lr, local = group["lr"], _local(p)
             local.mul_(1 - lr * group["weight_decay"])
             local.add_(update, alpha=-lr * lr_scale(p.shape))
 
-    def _momentum(self, p: Tensor, group: dict) -> Tensor:
-        """Update the momentum (sharded like the parameter) and return what gets orthogonalised:
-        this rank's rows of it (all of them unless the parameter is sharded)."""
+    def _momentum(self, p: Tensor, group: dict) -> Update:
+        """Update the momentum (sharded like the parameter; in place, one matrix at a time: the
+        cost is memory traffic, which a fused multi-tensor op would not reduce) and return what
+        gets orthogonalised: this rank's rows of it (all of them unless the parameter is sharded)."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad)  # a DTensor under FSDP2
         grad, buf = _local(p.grad), _local(state["momentum_buffer"])
         buf.lerp_(grad, 1 - group["momentum"])
-        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        return Update(grad, buf, group["momentum"] if group["nesterov"] else None)
+
+
+def _stack(updates: list[Update], idx: list[int], dtype: torch.dtype) -> Tensor:
+    """The updates idx written into one new (B, m, n) tensor in `dtype`."""
+    first = updates[idx[0]].buf
+    stack = torch.empty((len(idx), *first.shape), dtype=dtype, device=first.device)
+    for j, i in enumerate(idx):
+        updates[i].write(stack[j])
+    return stack
+
+
+def _ns(stack: Tensor, group: dict) -> Tensor:
+    """The stack (B, m, n) orthogonalised, each matrix on its own, as a (B, m, n) tensor; a stack
+    of one goes through the plain 2-D path (op for op torch.optim.Muon's)."""
+    x = stack if len(stack) > 1 else stack[0]
+    x = orthogonalise(x, group["ns_steps"], stack.dtype, group["ns_coefficients"], group["eps"])
+    return x if x.dim() == 3 else x[None]
 
 
 class _Plan:
@@ -175,66 +239,89 @@ class _Plan:
         """Does this rank orthogonalise p (always, unless the work is split)?"""
         return self.group is None or self.owner[p] == self.rank
 
-    def orthogonalise(self, work, updates: list[Tensor], dtype) -> list[Tensor]:
-        """The orthogonalised update of each (parameter, group) in `work`, this rank's rows of it."""
+    def stacks(self, work, batched: bool = True) -> list[list[int]]:
+        """Indices into `work` orthogonalised together: the matrices of one owner that share a
+        shape and an iteration (the group's ns_steps, coefficients, eps), in order of first
+        appearance, the same on every rank; with batched False, one matrix each."""
+        if not batched:
+            return [[i] for i in range(len(work))]
+        stacks: dict = {}
+        for i, (p, g) in enumerate(work):
+            iteration = (g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"])
+            stacks.setdefault((self.owner[p], tuple(p.shape), iteration), []).append(i)
+        return list(stacks.values())
 
-        def ns(x: Tensor, group: dict) -> Tensor:
-            return orthogonalise(
-                x, group["ns_steps"], dtype, group["ns_coefficients"], group["eps"]
-            )
-
+    def orthogonalise(self, work, updates: list[Update], dtype, batched=True) -> list[Tensor]:
+        """The orthogonalised update of each (parameter, group) in `work` (`updates`: what each
+        starts from), this rank's rows of it; the matrices of one stack in one batched iteration."""
+        stacks = self.stacks(work, batched)
         if self.group is None:
-            return [ns(u, g) for (_, g), u in zip(work, updates, strict=True)]
+            out = [None] * len(work)
+            for idx in stacks:
+                x = _ns(_stack(updates, idx, dtype), work[idx[0]][1])
+                for i, xi in zip(idx, x.unbind(0), strict=True):
+                    out[i] = xi
+            return out
         if self.shards is None:
-            return self._broadcast(work, updates, dtype, ns)
-        return self._gather_scatter(work, updates, dtype, ns)
+            return self._broadcast(work, updates, dtype, stacks)
+        return self._gather_scatter(work, updates, dtype, stacks)
 
     def _src(self, p: Tensor) -> int:
         return dist.get_global_rank(self.group, self.owner[p])
 
-    def _broadcast(self, work, updates, dtype, ns) -> list[Tensor]:
-        """Replicas (DDP): each owner orthogonalises its matrices and broadcasts them as it goes
-        (the sends overlap the next matrix's work); waits are bounded by the group's time-out."""
-        out, pending = [], []
-        for (p, group), u in zip(work, updates, strict=True):
+    def _broadcast(self, work, updates, dtype, stacks) -> list[Tensor]:
+        """Replicas (DDP): each owner orthogonalises its stacks and broadcasts each as it is done
+        (the sends overlap the next stack's work); waits are bounded by the group's time-out."""
+        out, pending = [None] * len(work), []
+        for idx in stacks:
+            p, group = work[idx[0]]
             if self.owned(p):
-                x = ns(u, group).contiguous()
+                x = _ns(_stack(updates, idx, dtype), group).contiguous()
             else:
-                x = torch.empty(u.shape, dtype=dtype, device=u.device)
+                x = torch.empty(
+                    (len(idx), *p.shape), dtype=dtype, device=updates[idx[0]].buf.device
+                )
             pending.append(dist.broadcast(x, self._src(p), group=self.group, async_op=True))
-            out.append(x)
+            for i, xi in zip(idx, x.unbind(0), strict=True):
+                out[i] = xi
         for handle in pending:
             handle.wait()
         return out
 
-    def _gather_scatter(self, work, updates, dtype, ns) -> list[Tensor]:
-        """Row shards (FSDP2): every matrix's row blocks are gathered to its owner (all gathers
-        started at once), the owner orthogonalises the whole matrix and scatters its row blocks
-        back. Blocks travel in `dtype` (the orthogonalisation's first op is that cast, so a
-        single process rounds the same values) and padded to equal sizes, as collectives need."""
-        gathers, inboxes = [], []
-        for (p, _), u in zip(work, updates, strict=True):
-            rows = self.shards[p].rows
-            chunk = max(rows)
-            send = u.new_zeros((chunk, u.shape[1]), dtype=dtype)
-            send[: u.shape[0]] = u
-            whole = send.new_empty((chunk * len(rows), u.shape[1])) if self.owned(p) else None
-            blocks = list(whole.split(chunk)) if whole is not None else None
-            gathers.append(dist.gather(send, blocks, self._src(p), self.group, async_op=True))
-            inboxes.append(whole)
-        out, scatters = [], []
-        for i, ((p, group), u) in enumerate(zip(work, updates, strict=True)):
-            rows = self.shards[p].rows
-            chunk, blocks = max(rows), None
-            if self.owned(p):
-                gathers[i].wait()
-                x = ns(inboxes[i][: p.shape[0]], group)  # the blocks in order: the whole matrix
-                padded = x.new_zeros((chunk * len(rows), x.shape[1]))
-                padded[: x.shape[0]] = x
-                blocks, inboxes[i] = list(padded.split(chunk)), None
-            mine = torch.empty((chunk, u.shape[1]), dtype=dtype, device=u.device)
-            scatters.append(dist.scatter(mine, blocks, self._src(p), self.group, async_op=True))
-            out.append(mine[: u.shape[0]])
-        for handle in gathers + scatters:
+    def _gather_scatter(self, work, updates, dtype, stacks) -> list[Tensor]:
+        """Row shards (FSDP2): every matrix's row blocks are gathered to its owner, into its
+        stack (all gathers started at once), the owner orthogonalises the whole stack and scatters
+        each matrix's row blocks back. Blocks travel in `dtype` (the orthogonalisation's first op
+        is that cast, so a single process rounds the same values) and padded to equal sizes, as
+        collectives need; the padding rows arrive as zeros and leave unread."""
+        gathers, inboxes = {}, {}
+        for s, idx in enumerate(stacks):
+            p = work[idx[0]][0]
+            chunk, cols, device = max(self.shards[p].rows), p.shape[1], updates[idx[0]].buf.device
+            total = chunk * len(self.shards[p].rows)
+            whole = inboxes[s] = (
+                torch.empty((len(idx), total, cols), dtype=dtype, device=device)
+                if self.owned(p)
+                else None
+            )
+            for j, i in enumerate(idx):
+                send = torch.zeros((chunk, cols), dtype=dtype, device=device)
+                updates[i].write(send[: updates[i].shape[0]])
+                blocks = list(whole[j].split(chunk)) if whole is not None else None
+                gathers[i] = dist.gather(send, blocks, self._src(p), self.group, async_op=True)
+        out, scatters = [None] * len(work), []
+        for s, idx in enumerate(stacks):
+            (p, group), whole = work[idx[0]], inboxes.pop(s)
+            chunk = max(self.shards[p].rows)
+            if whole is not None:
+                for i in idx:
+                    gathers[i].wait()
+                whole[:, : p.shape[0]] = _ns(whole[:, : p.shape[0]], group)  # padding: zeros
+            for j, i in enumerate(idx):
+                mine = torch.empty((chunk, p.shape[1]), dtype=dtype, device=updates[i].buf.device)
+                blocks = list(whole[j].split(chunk)) if whole is not None else None
+                scatters.append(dist.scatter(mine, blocks, self._src(p), self.group, async_op=True))
+                out[i] = mine[: updates[i].shape[0]]
+        for handle in list(gathers.values()) + scatters:
             handle.wait()
         return out

@@ -38,7 +38,7 @@ import torch
 
 from gptrain.cache import cache_dir
 from gptrain.logs.mfu import measure_peak_flops, synchronize
-from gptrain.training.muon import EPS, NS_COEFFICIENTS, _Plan, orthogonalise
+from gptrain.training.muon import EPS, NS_COEFFICIENTS, Update, _Plan, orthogonalise
 from gptrain.training.precision import DTYPES, mixed_precision
 
 CANDIDATE_S, BUDGET_S, MAX_RUNS, STOP_FACTOR = 0.4, 2.5, 5, 2.0
@@ -333,7 +333,7 @@ def muon_step_run(matrices: list, steps: int, dtype: str, split: bool):
     one = {s: torch.randn(s, device=device, generator=gen) for s in shapes}
     group = {"ns_steps": steps, "ns_coefficients": NS_COEFFICIENTS, "eps": EPS}
     work = [(p, group) for p in matrices]
-    updates = [one[tuple(p.shape)] for p in matrices]  # read, never written
+    updates = [Update(t, t, None) for t in (one[tuple(p.shape)] for p in matrices)]  # read only
     return lambda: (plan.orthogonalise(work, updates, DTYPES[dtype]), synchronize(device))
 
 
