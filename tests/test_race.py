@@ -8,6 +8,7 @@ import json
 import math
 import random
 import subprocess
+import sys
 from types import SimpleNamespace
 
 import forked
@@ -16,6 +17,7 @@ from train_helpers import DEBUG
 
 from gptrain.__main__ import main as cli
 from gptrain.commands import race as race_cmd
+from gptrain.commands import race_plan
 from gptrain.logs.race import analyse, compute_multiplier, curve_from_metrics, first_crossing
 from gptrain.logs.race_report import markdown_table
 from gptrain.logs.stats import (
@@ -345,6 +347,32 @@ def test_a_race_trains_from_its_plan_and_refuses_a_config_file_edited_since(
     assert json.loads((out / "race.json").read_text())["runs"][2]["status"] == "done"
 
 
+def test_a_second_race_into_the_same_folder_is_refused_while_the_first_runs(
+    configs, byte_data, tmp_path, monkeypatch
+):
+    """The same command started again while the race trains its first run: one line, exit 2,
+    and each run's metrics.jsonl holds every step once."""
+    out, seen = tmp_path / "race", []
+    argv = race_args(configs, out, byte_data)
+    in_process = race_cmd._train_in_process
+
+    def train_with_a_rival(argv_run):
+        if not seen:
+            cmd = [sys.executable, "-m", "gptrain", *argv]
+            seen.append(forked.run(cmd, capture_output=True, text=True, timeout=120))
+        return in_process(argv_run)
+
+    monkeypatch.setattr(race_cmd, "_train_in_process", train_with_a_rival)
+    assert cli(argv) == 0
+    rival = seen[0]
+    assert rival.returncode == 2, rival.stderr
+    assert len(rival.stderr.strip().splitlines()) == 1
+    assert f"run folder {out} is in use by gptrain race" in rival.stderr
+    for run in json.loads((out / "race.json").read_text())["runs"]:
+        steps = [json.loads(line)["step"] for line in open(f"{run['dir']}/metrics.jsonl")]
+        assert len(steps) == len(set(steps)) and run["status"] == "done"
+
+
 def test_with_several_gpus_the_runs_go_one_per_gpu_as_subprocesses(
     configs, byte_data, tmp_path, monkeypatch
 ):
@@ -406,5 +434,5 @@ def test_the_plans_config_text_loads_back_equal_even_with_a_newline_in_a_string(
     assert cfg.eval.sample_prompt == "ROMEO:\n"
     prompt = cfg.eval.sample_prompt + 'a "b"\\ c\x7f\t'  # quotes, a backslash, DEL, a tab
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, sample_prompt=prompt))
-    (tmp_path / "c.toml").write_text(race_cmd.config_text(cfg))
+    (tmp_path / "c.toml").write_text(race_plan.config_text(cfg))
     assert load_config(str(tmp_path / "c.toml")) == cfg

@@ -1,0 +1,241 @@
+"""The race's plan (gptrain/commands/race.py runs it): the command line, each config loaded and
+checked with the race's overrides, the runs in order, and DIR/plan.json, which freezes the race
+at its start:
+
+    parse_args(argv)       the race's flags; everything else is an override for every run
+    plan(args)             every config resolved and checked, the runs (seed by seed, every config
+                           in turn), before anything is written
+    check_plan(out, plan)  a folder holding a race of other configs, other overrides or a config
+                           file edited since the race began is refused (one line naming it)
+    write_configs(out, p)  DIR/plan.json and each config's DIR/<label>/config.toml, which its
+                           runs train (never the --config file itself)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from gptrain.cache import atomic_write_bytes
+from gptrain.config.cli import parse_cli
+from gptrain.config.load import SECTIONS, Config, key_name, load_config
+from gptrain.errors import UserError
+
+PLAN = "plan.json"  # the race's configs as resolved, checked when the race continues
+CONFIG = "config.toml"  # OUT/<label>/config.toml: the plan's config, which its runs train
+
+
+@dataclass(frozen=True)
+class Args:
+    configs: list[str]
+    seeds: int
+    target: float | str
+    out: Path
+    hellaswag: bool
+    overrides: list[str]
+
+
+@dataclass(frozen=True)
+class Job:
+    label: str
+    seed: int
+    run_dir: Path
+    argv: tuple[str, ...]  # gptrain train's arguments
+
+
+def parse_args(argv: list[str], usage: str) -> Args:
+    """The race's own flags; everything else is an override (`--section.key=value`); --help
+    prints `usage`."""
+    values: dict[str, list[str]] = {"config": [], "seeds": [], "target": [], "out": []}
+    hellaswag, rest, i = False, [], 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        name = flag[2:]
+        if flag in ("-h", "--help"):
+            print(usage.strip())
+            raise SystemExit(0)
+        if flag == "--hellaswag":
+            hellaswag = True
+        elif name in values:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise UserError(f"{flag} needs a value; see gptrain race --help")
+                value, i = argv[i + 1], i + 1
+            values[name].append(value)
+        else:
+            rest.append(argv[i])
+        i += 1
+    _, overrides = parse_cli(rest)
+    if not values["config"]:
+        raise UserError(
+            "gptrain race needs --config FILE, the baseline first, then each config to compare, e.g. --config a.toml --config b.toml"
+        )
+    labels = run_labels(values["config"])
+    out = values["out"][-1] if values["out"] else str(Path("races") / "-vs-".join(labels))
+    seeds = _seeds(values["seeds"][-1] if values["seeds"] else "5", len(values["config"]))
+    target = _target(values["target"][-1] if values["target"] else "baseline")
+    return Args(values["config"], seeds, target, Path(out), hellaswag, overrides)
+
+
+def _seeds(text: str, n_configs: int) -> int:
+    try:
+        seeds = int(text)
+    except ValueError:
+        raise UserError(f"--seeds {text!r} is not a whole number; use e.g. --seeds 5") from None
+    if seeds < 1 or (seeds < 2 and n_configs > 1):
+        raise UserError(
+            f"--seeds {seeds}: comparing configs needs a mean and a spread per config (intervals, p-values), so 2 seeds or more; use --seeds 2 or more (5 by default)"
+        )
+    return seeds
+
+
+def _target(text: str) -> float | str:
+    if text == "baseline":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise UserError(
+            f"--target {text!r} is neither a val loss nor 'baseline'; use a number (e.g. --target 3.28) or --target baseline (the baseline's mean final val loss)"
+        )
+    return value
+
+
+def run_labels(paths: list[str]) -> list[str]:
+    """Each config's name in the race: its file's stem, numbered when two stems are the same."""
+    labels: list[str] = []
+    for path in paths:
+        stem, n = Path(path).stem, 2
+        label = stem
+        while label in labels:
+            label, n = f"{stem}-{n}", n + 1
+        labels.append(label)
+    return labels
+
+
+def data_identity(cfg: Config) -> tuple:
+    """What makes two configs' val losses comparable: a prepared folder's tokenizer and splits
+    (from its manifest), or a built-in corpus's name and tokenizer."""
+    folder = Path(cfg.data.dir) / "manifest.json"
+    if folder.is_file():
+        m = json.loads(folder.read_text())
+        return (
+            "folder",
+            m.get("tokenizer", {}).get("hash"),
+            json.dumps(m.get("spans"), sort_keys=True),
+            json.dumps(m.get("splits"), sort_keys=True),
+        )
+    return ("built-in", cfg.data.dir, cfg.data.tokenizer)
+
+
+def check_comparable(paths: list[str], cfgs: list[Config]) -> None:
+    """Every config measures the same val loss: same data and tokenizer, same eval.tokens."""
+    base = cfgs[0]
+    for path, cfg in zip(paths[1:], cfgs[1:], strict=True):
+        if data_identity(cfg) != data_identity(base):
+            raise UserError(
+                f"--config {path} trains on data.dir = {cfg.data.dir!r} (data.tokenizer = {cfg.data.tokenizer!r}) but the baseline {paths[0]} on {base.data.dir!r} ({base.data.tokenizer!r}): their losses cannot be compared; race configs on the same data and tokenizer (or set both for every run with --data.dir=... --data.tokenizer=...)"
+            )
+        if cfg.eval.tokens != base.eval.tokens:
+            raise UserError(
+                f"--config {path} validates on eval.tokens = {cfg.eval.tokens} but the baseline {paths[0]} on {base.eval.tokens}: their val losses are not the same measurement; set one for every run with --eval.tokens=N"
+            )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The race as resolved before anything runs: each config's label, file and resolved config
+    (its TOML text is what every run of it trains), and the runs in order."""
+
+    labels: list[str]
+    files: dict[str, str]  # label -> the --config file it was resolved from
+    cfgs: list[Config]
+    texts: dict[str, str]  # label -> to_toml(resolved config): the plan's config
+    jobs: list[Job]
+    overrides: list[str]
+
+    def as_json(self) -> dict:
+        return {"configs": self.texts, "files": self.files, "overrides": self.overrides}
+
+
+def plan(args: Args) -> Plan:
+    """Every config loaded and checked, and the runs, before anything is written. Each run
+    trains from OUT/<label>/config.toml, written from the plan's text (never from the file)."""
+    labels = run_labels(args.configs)
+    cfgs, jobs = [], []
+    for path, label in zip(args.configs, labels, strict=True):
+        extra = list(args.overrides)
+        if args.hellaswag and not load_config(path, extra).eval.hellaswag:
+            extra.append("eval.hellaswag=hellaswag")
+        cfgs.append(load_config(path, extra))
+        for seed in range(1, args.seeds + 1):
+            run_dir = args.out / label / f"seed_{seed}"
+            argv = ["--config", str(args.out / label / CONFIG)]
+            argv += [f"--train.seed={seed}", f"--run.dir={run_dir}"]
+            jobs.append(Job(label, seed, run_dir, tuple(argv)))
+    check_comparable(args.configs, cfgs)
+    # seed by seed, every config in turn: a drift of the machine's speed falls on every config
+    # alike, and a race stopped part-way has as many seeds of each
+    jobs.sort(key=lambda j: (j.seed, labels.index(j.label)))
+    texts = {label: config_text(cfg) for label, cfg in zip(labels, cfgs, strict=True)}
+    files = dict(zip(labels, args.configs, strict=True))
+    return Plan(labels, files, cfgs, texts, jobs, list(args.overrides))
+
+
+def check_plan(out: Path, p: Plan) -> None:
+    """A folder that holds a race of other configs, or of the same files edited since, is
+    refused: its runs would continue the old ones under the same names."""
+    path = out / PLAN
+    if not path.is_file():
+        return
+    theirs = json.loads(path.read_text())
+    old = theirs.get("configs", {})
+    if list(old) != p.labels:
+        raise UserError(
+            f"--out {out} holds a race of other configs ({', '.join(old) or 'none'}; this command races {', '.join(p.labels)}); run that race's command to continue it, or choose another --out"
+        )
+    changed = [label for label in p.labels if old[label] != p.texts[label]]
+    if not changed:
+        return
+    if theirs.get("overrides", p.overrides) != p.overrides:
+        raise UserError(
+            f"--out {out} holds a race run with other overrides ({' '.join('--' + o for o in theirs['overrides']) or 'none'}); run it with the same overrides to continue it, or choose another --out"
+        )
+    label = changed[0]
+    raise UserError(
+        f"--config {p.files[label]} changed since the race in {out} began ({out}/{PLAN} holds {label} as it was, also in {out}/{label}/{CONFIG}); restore the file to continue the race, or race the edited config into a new --out"
+    )
+
+
+def config_text(cfg: Config) -> str:
+    """The resolved config as TOML: to_toml's text, with each string written with JSON's
+    escapes (valid in a TOML basic string), so a value holding a newline (a sample prompt)
+    loads back as it was."""
+
+    def fmt(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+        return repr(v)
+
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        items = dataclasses.asdict(getattr(cfg, section)).items()
+        lines += [f"{key_name(k)} = {fmt(v)}" for k, v in items]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_configs(out: Path, p: Plan) -> None:
+    """OUT/plan.json and, from it, each config's OUT/<label>/config.toml that its runs train."""
+    atomic_write_bytes(out / PLAN, json.dumps(p.as_json(), indent=2).encode())
+    for label in p.labels:
+        (out / label).mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out / label / CONFIG, p.texts[label].encode())
