@@ -406,24 +406,61 @@ def test_with_several_gpus_the_runs_go_one_per_gpu_as_subprocesses(
         ("target", "--target 'low' is neither a val loss nor 'baseline'"),
         ("seeds", "use --seeds 2 or more"),
         ("data", "their losses cannot be compared"),
+        ("out is a file", "is a file, not a folder; choose another --out"),
+        ("out below a file", "is a file, not a folder; choose another --out"),
+        ("out empty", "--out is empty; name the race's folder"),
+        ("plan not JSON", "is not a race's plan (not JSON: "),
+        ("plan not an object", "is not a race's plan (not an object whose configs map"),
+        ("plan of no configs", "is not a race's plan (not an object whose configs map"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_written(
-    configs, byte_data, tmp_path, capsys, case, says
+    configs, byte_data, tmp_path, capsys, monkeypatch, case, says
 ):
     out = tmp_path / "race"
+    cwd = tmp_path / "cwd"  # an empty --out must not race into the current folder
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    more = {"target": ["--target", "low"], "seeds": ["--seeds", "1"]}.get(case, [])
+    argv = race_args(configs, out, byte_data, *more)
     if case == "data":  # the baseline on the built-in corpus, the other config on a folder
         other = tmp_path / "other.toml"
         other.write_text(
             open(configs[1]).read().replace('dir = "shakespeare"', f'dir = "{byte_data}"')
         )
         argv = ["race", "--config", configs[0], "--config", str(other), "--out", str(out), *FAST]
-    else:
-        more = {"target": ["--target", "low"], "seeds": ["--seeds", "1"]}[case]
-        argv = race_args(configs, out, byte_data, *more)
+    elif case.startswith("out is"):
+        out.write_text("a file")
+    elif case.startswith("out below"):
+        out.write_text("a file")
+        argv[argv.index("--out") + 1] = str(out / "race")
+    elif case == "out empty":
+        argv[argv.index("--out") : argv.index("--out") + 2] = ["--out="]
+    elif case.startswith("plan"):
+        out.mkdir()
+        text = {"plan not JSON": "{not json", "plan not an object": "[1, 2]"}
+        (out / "plan.json").write_text(text.get(case, '{"configs": {"debug": 1}}'))
+    before = listing(tmp_path)
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert says in err and len(err.splitlines()) == 1 and not out.exists()
+    assert says in err and len(err.splitlines()) == 1, err
+    assert listing(tmp_path) == before and not any(cwd.iterdir())
+
+
+def test_a_first_run_refused_for_bad_input_leaves_no_plan_to_refuse_the_corrected_command(
+    configs, byte_data, tmp_path, capsys
+):
+    """A data folder that does not exist is found by the first run's gptrain train: the race
+    stops with its line, and the corrected command is not refused by the plan of the bad one."""
+    out = tmp_path / "race"
+
+    def argv(data):  # one config, one seed
+        return ["race", "--config", configs[0], "--seeds", "1", "--out", str(out), data, *FAST]
+
+    assert cli(argv(f"--data.dir={tmp_path / 'missing'}")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "missing" in err[-1] and not out.exists()  # nothing of the race is left
+    assert cli(argv(f"--data.dir={byte_data}")) == 0
 
 
 def test_the_plans_config_text_loads_back_equal_even_with_a_newline_in_a_string(tmp_path):

@@ -38,7 +38,18 @@ from pathlib import Path
 
 from gptrain.cache import atomic_write_bytes
 from gptrain.checkpoint.lock import RunLock
-from gptrain.commands.race_plan import Args, Job, Plan, check_plan, parse_args, plan, write_configs
+from gptrain.commands.race_plan import (
+    PLAN,
+    Args,
+    Job,
+    Plan,
+    check_plan,
+    parse_args,
+    plan,
+    remove_configs,
+    trained,
+    write_configs,
+)
 from gptrain.config.load import Config
 from gptrain.errors import UserError, first_line
 from gptrain.logs.plot import read_metrics
@@ -183,8 +194,14 @@ def main(argv: list[str]) -> int:
     check_plan(args.out, p)  # before the lock: a refusal writes nothing
     with RunLock(args.out, "gptrain race"):  # one race writes OUT at a time
         check_plan(args.out, p)  # again, now that no other race can write its plan
+        fresh = not (args.out / PLAN).exists()
         write_configs(args.out, p)
-        return _race(args, p, argv)
+        try:
+            return _race(args, p, argv)
+        except UserError:  # bad input found by the first run: the corrected command may follow
+            if fresh and not any(trained(job.run_dir) for job in p.jobs):
+                remove_configs(args.out, p)
+            raise
 
 
 def _race(args: Args, p: Plan, argv: list[str]) -> int:

@@ -13,6 +13,7 @@ at its start:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -74,10 +75,25 @@ def parse_args(argv: list[str], usage: str) -> Args:
             "gptrain race needs --config FILE, the baseline first, then each config to compare, e.g. --config a.toml --config b.toml"
         )
     labels = run_labels(values["config"])
-    out = values["out"][-1] if values["out"] else str(Path("races") / "-vs-".join(labels))
+    out = _out(values["out"][-1] if values["out"] else str(Path("races") / "-vs-".join(labels)))
     seeds = _seeds(values["seeds"][-1] if values["seeds"] else "5", len(values["config"]))
     target = _target(values["target"][-1] if values["target"] else "baseline")
-    return Args(values["config"], seeds, target, Path(out), hellaswag, overrides)
+    return Args(values["config"], seeds, target, out, hellaswag, overrides)
+
+
+def _out(text: str) -> Path:
+    """The race's folder: a folder or a path to make one at, never empty (the current folder)."""
+    if not text.strip():
+        raise UserError(
+            "--out is empty; name the race's folder, e.g. --out races/mine (or leave --out out for races/<first>-vs-<second>...)"
+        )
+    out = Path(text)
+    for path in (out, *out.parents):
+        if path.exists() and not path.is_dir():
+            raise UserError(
+                f"--out {text}: {path} is a file, not a folder; choose another --out for the race's folder"
+            )
+    return out
 
 
 def _seeds(text: str, n_configs: int) -> int:
@@ -187,14 +203,36 @@ def plan(args: Args) -> Plan:
     return Plan(labels, files, cfgs, texts, jobs, list(args.overrides))
 
 
+def read_plan(path: Path) -> dict:
+    """OUT/plan.json: an object whose "configs" maps each label to its resolved TOML text."""
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = f"not JSON: {e}"
+    else:
+        configs = plan.get("configs") if isinstance(plan, dict) else None
+        overrides = plan.get("overrides", []) if isinstance(plan, dict) else None
+        if (
+            isinstance(configs, dict)
+            and all(isinstance(t, str) for t in configs.values())
+            and isinstance(overrides, list)
+            and all(isinstance(o, str) for o in overrides)
+        ):
+            return plan
+        why = "not an object whose configs map each config to its TOML text"
+    raise UserError(
+        f"{path} is not a race's plan ({why}); move it away if the folder holds a race you want to keep, or choose another --out"
+    )
+
+
 def check_plan(out: Path, p: Plan) -> None:
     """A folder that holds a race of other configs, or of the same files edited since, is
     refused: its runs would continue the old ones under the same names."""
     path = out / PLAN
     if not path.is_file():
         return
-    theirs = json.loads(path.read_text())
-    old = theirs.get("configs", {})
+    theirs = read_plan(path)
+    old = theirs["configs"]
     if list(old) != p.labels:
         raise UserError(
             f"--out {out} holds a race of other configs ({', '.join(old) or 'none'}; this command races {', '.join(p.labels)}); run that race's command to continue it, or choose another --out"
@@ -239,3 +277,19 @@ def write_configs(out: Path, p: Plan) -> None:
     for label in p.labels:
         (out / label).mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / label / CONFIG, p.texts[label].encode())
+
+
+def remove_configs(out: Path, p: Plan) -> None:
+    """Undo write_configs: a plan that no run has used must not refuse the corrected command."""
+    (out / PLAN).unlink(missing_ok=True)
+    for label in p.labels:
+        (out / label / CONFIG).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # only when empty
+            (out / label).rmdir()
+
+
+def trained(run_dir: Path) -> bool:
+    """Whether a run has trained or evaluated anything (its plan is then in use)."""
+    return any(
+        (run_dir / name).exists() for name in ("checkpoints", "metrics.jsonl", "summary.json")
+    )
