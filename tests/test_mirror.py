@@ -188,3 +188,26 @@ def test_local_retention_keeps_the_folder_being_uploaded(tmp_path):
         (root / f"step_{s:08d}").mkdir(parents=True)
     assert retention.prune(tmp_path, 6, 1, 0, protect={"step_00000002"}) == ["step_00000004"]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000006"]
+
+
+def test_mirror_retention_counts_only_the_run_timeline(tmp_path):
+    """The local sequence of tests/test_timeline.py (saves 3, 6, 9; resume = 3; saves 5, 10;
+    keep_last = 3), each checkpoint uploaded: the mirror keeps what the run keeps, {3, 5, 10}
+    (counting the abandoned 6 and 9 it would keep {6, 9, 10}: a damaged step 10 would leave
+    nothing of the run's timeline to fall back on); after step 5 the abandoned 9 fills the slot
+    the new timeline leaves free."""
+    from test_timeline import saves_with_a_branch
+
+    m = mirror.configure(f"file://{tmp_path / 'mirror'}", keep_last=3, keep_every=0)
+    kept = {}
+
+    def upload(path):
+        m.upload(path)
+        kept[int(path.name[5:])] = set(m.steps())
+
+    saves_with_a_branch(
+        tmp_path / "run", upload=upload, begin=lambda p: m.record_timeline(p.timeline)
+    )
+    assert kept == {3: {3}, 6: {3, 6}, 9: {3, 6, 9}, 5: {3, 5, 9}, 10: {3, 5, 10}}
+    assert m.latest() == "step_00000010"
+    assert m.candidates(m.timeline()) == ["step_00000010", "step_00000005", "step_00000003"]

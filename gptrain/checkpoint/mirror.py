@@ -9,8 +9,9 @@ whose package is installed, and a probe file must be writable, readable and dele
 one line, before anything is trained). After each local publish, `submit(folder)` hands the folder
 to one background thread (the step never waits; a newer submission replaces one not yet started);
 `wait()` lets the end of a run (or a preemption stop) finish the upload in flight. Remote retention
-follows checkpoint.keep_last / keep_every after each verified upload and never deletes the folder
-`latest` names (the last verified copy). `fetch_newer(run_dir)`: resume = auto/latest also looks
+follows checkpoint.keep_last / keep_every after each verified upload, counting only the run's
+timeline as locally (retention.kept), and never deletes the folder `latest` names (the last
+verified copy). `fetch_newer(run_dir)`: resume = auto/latest also looks
 here, newest first; a remote checkpoint newer than every valid local one (or the local run
 directory gone) is downloaded into a .tmp- folder, checked against its meta.json and published
 locally; a damaged one is skipped with a warning for the next older one.
@@ -149,12 +150,17 @@ class Mirror:
 
     def prune(self, newest: str) -> None:
         """Remote retention after `newest` was verified and named in `latest`: the local rules
-        (keep_last, keep_every), and never the folder `latest` names."""
+        (retention.kept: keep_last counts the run's timeline, abandoned copies only fill the
+        slots it leaves free; keep_every), and never the folder `latest` names."""
         top = retention._step_of(newest)
-        steps = sorted(s for s in self.steps() if s <= top)
-        keep = set(steps[-self.keep_last :]) | {top}
-        keep |= {s for s in steps if self.keep_every > 0 and s % self.keep_every == 0}
-        for s in steps:
+        folders = {}
+        for s in self.steps():
+            meta = self._meta(folder.step_dir_name(s))
+            folders[s] = meta.get("timeline") if meta else "?"
+            if not (folders[s] is None or folder.valid_timeline(folders[s])):
+                folders[s] = "?"
+        keep = retention.kept(folders, self.timeline(), top, self.keep_last, self.keep_every)
+        for s in sorted(folders):
             if s not in keep:
                 self.fs.rm(f"{self.root}/{folder.step_dir_name(s)}", recursive=True)
 

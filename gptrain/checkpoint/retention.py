@@ -4,13 +4,15 @@
   checkpoints after it belong to the timeline it left, and resume never returns to them. The run's
   timeline is recorded in checkpoints/timeline.json (written by `begin` once start-up succeeded)
   and in each checkpoint's meta.json (with its ancestors and the step each was left at). The same
-  command requeued (same config) continues the new timeline instead of going back to STEP.
+  command requeued continues the new timeline instead of going back to STEP, also when keys that
+  cannot change training differ (config/identity.py: endpoints, node counts, logging, ...).
 - Fallback (`resume_point`): under checkpoint.resume = auto or latest, a newest checkpoint that is
   incomplete, truncated or fails its hashes is skipped with a warning naming it and why, and the
   newest valid one of the timeline is used; none valid is one error. An explicit step is never
   replaced.
-- Retention (`prune`): after a checkpoint is complete and named in `latest`, keep the newest
-  checkpoint.keep_last and every multiple of checkpoint.keep_every; never the newest one.
+- Retention (`kept`, `prune`): after a checkpoint is complete and named in `latest`, keep the
+  newest checkpoint.keep_last of the run's timeline and every multiple of checkpoint.keep_every;
+  never the newest one. Abandoned timelines' checkpoints only fill slots the run's leaves free.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import json
 import os
 import secrets
 import shutil
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from gptrain.checkpoint import folder
+from gptrain.config.identity import training_identity
 from gptrain.errors import UserError, first_line
 
 
@@ -80,16 +84,28 @@ class Plan:
     line: str = ""
 
 
+def identities(command: str) -> dict:
+    """What a timeline record keeps of the config that started it: `command`, a hash of the whole
+    resolved config, and `training`, a hash of the keys that can change training
+    (config/identity.py)."""
+    whole = hashlib.sha256(command.encode()).hexdigest()[:16]
+    try:
+        return {"command": whole, "training": training_identity(command)}
+    except tomllib.TOMLDecodeError:  # not a resolved config: only the whole text identifies it
+        return {"command": whole, "training": whole}
+
+
 def plan(run_dir: str | Path, resume: str, command: str) -> Plan:
     """checkpoint.resume -> a Plan; writes nothing (begin() does, once start-up succeeded).
 
     auto, latest, none: as resume_point, on the run's timeline. A step number acts once: the
     first time it starts a new timeline from that step's checkpoint (of any timeline); when the
-    run's timeline was already started from that step by this same command (config), a requeued
-    job, it continues that timeline from its newest valid checkpoint instead."""
+    run's timeline (or one of its ancestors) was already started from that step with the same
+    training config (keys that cannot change training may differ: a requeued job on other nodes),
+    it continues that timeline from its newest valid checkpoint instead."""
     root = Path(run_dir) / "checkpoints"
     now = current(root)
-    command = hashlib.sha256(command.encode()).hexdigest()[:16]
+    ids = identities(command)
     if resume in ("auto", "latest", "none"):
         path, warnings = resume_point(run_dir, resume)
         t = now if now is not None and path is not None else None
@@ -97,20 +113,22 @@ def plan(run_dir: str | Path, resume: str, command: str) -> Plan:
             t = timeline_of(path)
         if not isinstance(t, dict):  # a fresh start, or a checkpoint of an older gptrain
             until = [] if path is None else [{"id": "", "until": _step_of(path.name)}]
-            t = {"id": secrets.token_hex(6), "from_step": None, "command": command}
-            t["ancestors"] = until
+            t = {"id": secrets.token_hex(6), "from_step": None, **ids, "ancestors": until}
         return Plan(path, warnings, t)
     step = int(resume)
-    if now is not None and any(
-        a.get("from_step") == step and a.get("command") == command for a in [now, *now["ancestors"]]
-    ):
+    started = (
+        [] if now is None else [a for a in [now, *now["ancestors"]] if a.get("from_step") == step]
+    )
+    same = [a for a in started if ids["command"] == a.get("command")]
+    if same or any(ids["training"] == a.get("training") for a in started):
         path, warnings = resume_point(run_dir, "latest")
-        line = f"checkpoint.resume = {step} already started this timeline with the same config: continuing it from {path.name}, not going back to step {step} (a run with other settings branches from step {step} again)"
+        how = "config" if same else "training config (the keys that differ cannot change training)"
+        line = f"checkpoint.resume = {step} already started this timeline with the same {how}: continuing it from {path.name}, not going back to step {step} (a run with other training settings branches from step {step} again)"
         return Plan(path, warnings, now, line=line)
-    return _branch(run_dir, step, command)
+    return _branch(run_dir, step, ids, again=bool(started))
 
 
-def _branch(run_dir, step: int, command: str) -> Plan:
+def _branch(run_dir, step: int, ids: dict, again: bool = False) -> Plan:
     """A new timeline from the checkpoint of `step`, whichever timeline it belongs to."""
     root = Path(run_dir) / "checkpoints"
     if not (root / folder.step_dir_name(step) / "meta.json").is_file():
@@ -123,11 +141,13 @@ def _branch(run_dir, step: int, command: str) -> Plan:
     path, _ = resume_point(run_dir, str(step))  # refused when damaged
     parent = timeline_of(path)
     parent = parent if isinstance(parent, dict) else {"id": "", "ancestors": []}
-    head = {k: parent.get(k) for k in ("id", "from_step", "command")}
-    t = {"id": secrets.token_hex(6), "from_step": step, "command": command}
+    head = {k: parent.get(k) for k in ("id", "from_step", "command", "training")}
+    t = {"id": secrets.token_hex(6), "from_step": step, **ids}
     t["ancestors"] = [*parent["ancestors"], {**head, "until": step}]
     left = [p.name for p in candidates(run_dir) if _step_of(p.name) > step]
     line = f"checkpoint.resume = {step}: a new timeline starts from {path.name}"
+    if again:
+        line += f" (the timeline step {step} started before has other training settings: it is left as well)"
     if left:
         line += f"; the checkpoints after it ({', '.join(reversed(left))}) stay on the timeline it leaves: resume = auto will not return to them"
     return Plan(
@@ -246,27 +266,54 @@ def problem(path: Path) -> str | None:
     return None
 
 
+def kept(folders: dict, now: dict | None, newest: int, keep_last: int, keep_every: int) -> set[int]:
+    """The steps retention keeps after checkpoint `newest` was published, of `folders`: {step: its
+    timeline (timeline_of: a dict, None for an older gptrain's, "?" unreadable)}; `now`: the run's
+    timeline (None: none recorded). Local and mirror retention both ask this.
+
+    - keep_last counts only the run's timeline (its own checkpoints and its ancestors' up to the
+      step it continues, steps <= newest; an unreadable folder counts as one of them): its newest
+      keep_last are kept, `newest` always.
+    - A folder of an abandoned timeline (left by a resume = STEP) never takes the place of one of
+      the run's: abandoned folders are kept, newest first, only in the keep_last slots the run's
+      timeline does not fill yet; the others are deleted.
+    - Every step that is a multiple of keep_every (> 0) is kept, whichever timeline.
+    - Folders of the run's timeline after `newest` (damaged ones it resumed past) stay until it
+      saves those steps again; without a timeline record every folder after `newest` stays."""
+
+    def mine(s: int) -> bool:
+        t = folders[s]
+        return now is None or t == "?" or in_history(now, t, s)
+
+    own = sorted(s for s in folders if s <= newest and mine(s))
+    ahead = {s for s in folders if s > newest and (now is None or mine(s))}
+    left = sorted(s for s in folders if s not in ahead and not (s <= newest and mine(s)))
+    keep = {newest, *ahead, *own[-keep_last:]}
+    spare = keep_last - len(own[-keep_last:])
+    keep |= set(left[len(left) - spare :] if spare > 0 else [])
+    return keep | {s for s in folders if keep_every > 0 and s % keep_every == 0}
+
+
 def prune(
     run_dir: str | Path, newest: int, keep_last: int, keep_every: int, protect=frozenset()
 ) -> list[str]:
-    """Retention after checkpoint `newest` was written and named in `latest`: of the folders of
-    steps <= newest, keep the newest keep_last (newest among them) and every step that is a
-    multiple of keep_every (when > 0); delete the rest, each renamed away first so that no
-    half-deleted folder is ever visible. Leftovers of interrupted saves go too. Folders named in
-    `protect` (the one the mirror is uploading) are kept. Returns the deleted names."""
+    """Retention after checkpoint `newest` was written and named in `latest`: the folders `kept`
+    says stay; the rest are deleted, each renamed away first so that no half-deleted folder is
+    ever visible. Leftovers of interrupted saves go too. Folders named in `protect` (the one the
+    mirror is uploading) are kept. Returns the deleted names."""
     root = Path(run_dir) / "checkpoints"
     for p in root.glob(".old-*"):  # a re-save interrupted between its renames: keep the copy
         if not (root / p.name.removeprefix(".old-")).exists() and _step_of(p.name) is not None:
             os.replace(p, root / p.name.removeprefix(".old-"))
-    steps = sorted(
-        s
+    folders = {
+        s: timeline_of(p)
         for p in root.glob(f"{folder.STEP_PREFIX}*")
-        if (s := _step_of(p.name)) is not None and s <= newest
-    )
-    keep = set(steps[-keep_last:]) | {newest} | {_step_of(n) for n in protect}
-    keep |= {s for s in steps if keep_every > 0 and s % keep_every == 0}
+        if (s := _step_of(p.name)) is not None
+    }
+    keep = kept(folders, current(root), newest, keep_last, keep_every)
+    keep |= {_step_of(n) for n in protect}
     deleted = []
-    for s in steps:
+    for s in sorted(folders):
         if s not in keep:
             gone = root / f".del-{folder.step_dir_name(s)}"
             os.replace(root / folder.step_dir_name(s), gone)
