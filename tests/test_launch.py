@@ -181,6 +181,47 @@ def test_a_lost_store_is_one_line_naming_its_host_exit_1(monkeypatch):
     )
 
 
+def _close_rendezvous(endpoint: str, run_id: str):
+    """What torch's agents do when their job ends: close the rendezvous (here through torch's
+    own handler, as a client of the store at endpoint). Returns a function telling whether the
+    rendezvous of another id is closed there."""
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousParameters,
+        rendezvous_handler_registry,
+    )
+
+    def handler(rid):
+        params = RendezvousParameters("c10d", endpoint, rid, 1, 2, is_host="false")
+        return rendezvous_handler_registry.create_handler(params)
+
+    handler(run_id).set_closed()
+    return lambda rid: handler(rid).is_closed()
+
+
+@pytest.mark.parametrize("kind", [rdzv_store.EXTERNAL, rdzv_store.NODE])
+def test_a_closed_rendezvous_names_the_earlier_job_its_store_and_the_fix(monkeypatch, kind):
+    """A store that outlived a job (a `gptrain store`, or an agent still ending) keeps that
+    job's rendezvous closed: the next job with the same dist.rdzv_id (the default) is one line
+    saying so, naming the store and the fix, exit 2; another id is not closed there."""
+    port = h.free_port()
+    endpoint = f"127.0.0.1:{port}"
+    held = rdzv_store.serve(port) if kind == rdzv_store.EXTERNAL else None
+    held = held or rdzv_store.host_here(endpoint, 30)
+    is_closed = _close_rendezvous(endpoint, "gptrain")
+    with pytest.raises(UserError) as e:
+        launch.launch(1, ["--config", "configs/debug.toml"], _elastic(monkeypatch, endpoint))
+    me = rdzv_store.Host(kind, socket.gethostname(), os.getpid())
+    head = f"the rendezvous 'gptrain' at {endpoint} is closed: a job with dist.rdzv_id = 'gptrain' already ended there"
+    fix = 'give each job a dist.rdzv_id of its own (e.g. --dist.rdzv_id="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}", the same on every node of that job)'
+    if kind == rdzv_store.EXTERNAL:
+        want = f"{head}, and {me.text} keeps a closed rendezvous as long as it runs; {fix}, or restart `gptrain store --port {port}` between jobs"
+    else:
+        want = f"{head} or is ending, and {me.text} still serves its store; {fix}, or wait until that job's agents have exited"
+    assert e.value.exit_code == 2 and str(e.value) == want
+    assert is_closed("gptrain") and not is_closed("4242.0")
+    del held
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -218,6 +259,7 @@ def test_store_serves_marked_and_ends_on_sigterm(tmp_path):
             assert p.poll() is None, out.read_text()
             time.sleep(0.05)
         port = int(out.read_text().split("--dist.rdzv_endpoint=")[1].split()[0].rsplit(":", 1)[1])
+        assert "and each job with a --dist.rdzv_id of its own" in out.read_text()
         host = rdzv_store.who_hosts(f"127.0.0.1:{port}", 10)
         assert host == rdzv_store.Host(rdzv_store.EXTERNAL, socket.gethostname(), p.pid)
         p.send_signal(signal.SIGTERM)

@@ -4,7 +4,10 @@ gptrain store --port 29400            # on a stable host (a login or service nod
 gptrain train ... --dist.nnodes=1:4 --dist.rdzv_endpoint=STOREHOST:29400   # on each node
 
 Every node's agent then connects to this store as a client, so losing any training node leaves
-the others running. It prints `gptrain store: serving ... at HOST:PORT` once listening, and ends
+the others running. torch's agents close a job's rendezvous when the job ends (done or failed), and
+the store keeps it closed: each job (and each requeue of one) needs a dist.rdzv_id of its own,
+e.g. "$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"; a job reusing an ended job's id stops with one
+line saying so. It prints `gptrain store: serving ... at HOST:PORT` once listening, and ends
 with exit code 0 on SIGTERM or SIGINT (the job's state in it is gone then: stop it after the job).
 """
 
@@ -38,7 +41,7 @@ def main(argv: list[str]) -> int:
         ) from None
     where = f"{socket.gethostname()}:{store.port}"
     print(
-        f"gptrain store: serving the rendezvous store at {where}; start each node with --dist.rdzv_endpoint={where} (SIGTERM ends it)",
+        f"gptrain store: serving the rendezvous store at {where}; start each node with --dist.rdzv_endpoint={where} and each job with a --dist.rdzv_id of its own (a job's rendezvous stays closed here once it ends); SIGTERM ends it",
         flush=True,
     )
     while not stop.wait(1.0):

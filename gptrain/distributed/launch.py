@@ -175,6 +175,23 @@ def _store_lost(endpoint: str, hosted_by: Host | None, e: BaseException) -> User
     return error
 
 
+def _closed(cfg: DistConfig, hosted_by: Host | None) -> UserError:
+    """The rendezvous of dist.rdzv_id is closed: torch's agents close it when their job ends (done
+    or failed), and it stays closed as long as its store lives. One line naming that store and
+    the fix (another id per job, or a fresh store)."""
+    rid, port = cfg.rdzv_id, rdzv_store.split(cfg.rdzv_endpoint)[1]
+    head = f"the rendezvous {rid!r} at {cfg.rdzv_endpoint} is closed: a job with dist.rdzv_id = {rid!r} already ended there"
+    fix = 'give each job a dist.rdzv_id of its own (e.g. --dist.rdzv_id="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}", the same on every node of that job)'
+    if hosted_by is not None and hosted_by.kind == rdzv_store.EXTERNAL:
+        return UserError(
+            f"{head}, and {hosted_by.text} keeps a closed rendezvous as long as it runs; {fix}, or restart `gptrain store --port {port}` between jobs"
+        )
+    who = hosted_by.text if hosted_by else f"the process listening at {cfg.rdzv_endpoint}"
+    return UserError(
+        f"{head} or is ending, and {who} still serves its store; {fix}, or wait until that job's agents have exited"
+    )
+
+
 def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
     """Re-run `gptrain train ARGV` as `nproc` workers on this machine through torch's own
     launcher, torch.distributed.run: standalone, or one of cfg.nnodes machines meeting at a c10d
@@ -186,7 +203,7 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
 
     low, high = node_range(cfg.nnodes)
     # who hosts the rendezvous store; the server when this agent does (a local: alive until the end)
@@ -230,6 +247,8 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
             raise lost from None
         if not isinstance(e, RendezvousError):
             raise
+        if isinstance(e, RendezvousClosedError):
+            raise _closed(cfg, hosted_by) from None
         raise UserError(
             f"rendezvous at {cfg.rdzv_endpoint} failed ({first_line(e)}); start the same command on all dist.nnodes = {cfg.nnodes} nodes"
         ) from None
