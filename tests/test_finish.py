@@ -9,10 +9,12 @@ import os
 import shutil
 import signal
 import sys
+import time
 
 import dist_helpers as h
 import forked
 import pytest
+import torch
 from train_helpers import DEBUG, REPO, run
 
 from gptrain.checkpoint import manager as checkpoint
@@ -140,3 +142,69 @@ def test_two_ranks_killed_in_the_final_evaluation_are_completed_by_the_rerun(byt
     h.check_ok(h.wait_all(h.spawn(args(run_dir)), h.TIMEOUT))
     assert [without(r, CLOCK) for r in rows(run_dir)] == [without(r, CLOCK) for r in rows(full)]
     assert summary(run_dir) == summary(full)
+
+
+# `gptrain train` whose step STEP raises on the ranks named (a bug or an error in a step)
+RAISING = """
+import sys
+from gptrain.__main__ import entry
+from gptrain.training import run as phases
+step, ranks, argv = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3:]
+real = phases.Run.train_step
+def train_step(self, *args, **kwargs):
+    if self.state.step + 1 == step and str(self.info.rank) in ranks:
+        raise RuntimeError(f"step {step} fails on rank {self.info.rank}")
+    return real(self, *args, **kwargs)
+phases.Run.train_step = train_step
+sys.argv = ["gptrain", *argv]
+entry()
+"""
+
+
+def fsdp_async(byte_data, run_dir) -> list[str]:
+    """A 2-rank FSDP2 run whose step 2 checkpoint is written in the background (published at
+    the next save, step 4, or before an evaluation)."""
+    cmd = ["train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
+    cmd += [*h.FAST, "--dist.mode=fsdp", "--checkpoint.async=true", "--checkpoint.every=2"]
+    return cmd + ["--train.max_steps=4", "--train.micro_batch_size=4", "--model.dropout=0.1"]
+
+
+@pytest.mark.slow
+def test_an_error_in_a_step_on_every_rank_publishes_the_pending_background_save(
+    byte_data, tmp_path
+):
+    full, run_dir = tmp_path / "full", tmp_path / "r"
+    h.check_ok(h.wait_all(h.spawn(["-m", "gptrain", *fsdp_async(byte_data, full)]), 300))
+    raising = ["-c", RAISING, "3", "0,1", *fsdp_async(byte_data, run_dir)]
+    results = h.wait_all(h.spawn(raising), 300)
+    assert all(rc == 1 for rc, _, _ in results), [r[2][-2000:] for r in results]
+    assert all("step 3 fails on rank" in err for _, _, err in results)
+    latest = checkpoint.latest(run_dir)
+    assert latest is not None and latest.name == "step_00000002"
+    assert checkpoint.problem(latest) is None
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    assert f"step 2: checkpoint {latest}" in (run_dir / "train.log").read_text()
+    # resumable: the same command ends where the uninterrupted run ends
+    h.check_ok(h.wait_all(h.spawn(["-m", "gptrain", *fsdp_async(byte_data, run_dir)]), 300))
+    assert f"resumed from {latest}" in (run_dir / "train.log").read_text()
+    a, b = h.checkpoint_tensors(full), h.checkpoint_tensors(run_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_leaves_the_pending_save_unpublished_and_says_so(byte_data, tmp_path):
+    """Rank 1's step raises while rank 0 trains on: the save's collectives cannot complete, so
+    neither rank waits for them; both end, and the main process's log names the step."""
+    run_dir = tmp_path / "r"
+    raising = ["-c", RAISING, "3", "1", *fsdp_async(byte_data, run_dir)]
+    started = time.monotonic()
+    results = h.wait_all(h.spawn(raising), 120)
+    assert time.monotonic() - started < 60  # start-up included: nobody waits for the save
+    assert all(rc != 0 for rc, _, _ in results), [r[2][-2000:] for r in results]
+    assert "step 3 fails on rank 1" in results[1][2]
+    assert checkpoint.latest(run_dir) is None
+    log = (run_dir / "train.log").read_text()
+    assert "step 2's checkpoint (written in the background) is not published: " in log
+    assert "the last complete checkpoint is None" in log

@@ -32,7 +32,7 @@ from gptrain.config.load import Config, load_config
 from gptrain.distributed import failures, faults, launch
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.watchdog import Watchdog, flight_recorder_env
-from gptrain.errors import UserError
+from gptrain.errors import UserError, first_line
 from gptrain.training import attempts, batch
 from gptrain.training import run as phases
 from gptrain.training.evaluator import Due
@@ -69,7 +69,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption
     state.start_clock(compiles=t.compile)
     meter.restart(state.step)
     stopped_by = None
-    with _on_error(run, cfg):
+    with _on_error(run, cfg, watchdog):
         while state.step < t.max_steps:
             # one optimizer step at this step's learning rate
             watchdog.enter("step", state.step + 1)
@@ -196,22 +196,49 @@ def _counts(run) -> dict:
 
 
 @contextmanager
-def _on_error(run, cfg: Config):
-    """A stop inside the loop: Ctrl-C, or the non-finite / spike policy's NonFiniteStop (every
-    rank; a pending background save is published first)."""
+def _on_error(run, cfg: Config, watchdog: Watchdog):
+    """Any exception leaving the loop (Ctrl-C, the non-finite / spike policy's NonFiniteStop, an
+    error in a step): a pending background save is published first, unless a peer is dead or
+    stuck (then its collectives cannot complete: it stays unpublished, and the line says so)."""
     try:
         yield
-    except (KeyboardInterrupt, NonFiniteStop) as e:
+    except BaseException as e:
         run.loader.close()
+        _publish_pending(run, e, watchdog)
         if isinstance(e, NonFiniteStop):
-            run.checkpointer.publish()
             run.logger.text(f"stopped: {e}", echo=False)  # main() prints it once
-        elif run.info.is_main:  # only the main process reads the run directory
+        elif isinstance(e, KeyboardInterrupt) and run.info.is_main:  # only main reads run.dir
             run.logger.text(
                 f"interrupted at step {run.state.step}; the last checkpoint is {checkpoint.latest(cfg.run.dir)}; run the same command to resume"
             )
         run.close()
         raise
+
+
+def _publish_pending(run, e: BaseException, watchdog: Watchdog) -> None:
+    """Collective: publish the background save still pending when `e` left the loop. Every rank
+    that met `e` checks in on the rendezvous store (failures.failure, a few seconds): a rank
+    that does not (dead, stuck, or still training: the error was this rank's alone) means the
+    save's collectives cannot complete, so it is left unpublished (resume takes the one
+    before), as it is when publishing fails; a line says so. `e` ends the run either way."""
+    pending, info = run.checkpointer.pending, run.info
+    if pending is None:
+        return
+    why = e if isinstance(e, failures.DistFailure) else None
+    if why is None and dist.active() and info.world_size > 1:
+        why = failures.failure(e, info)
+    if why is None:
+        watchdog.enter("save", pending.step)
+        try:
+            run.checkpointer.publish()  # its line: "step N: checkpoint PATH"
+            return
+        except Exception as error:  # noqa: BLE001 whatever it is, `e` ends the run
+            why = f"{type(error).__name__}: {first_line(error)}"
+    run.checkpointer.pending = None
+    if info.is_main:  # only the main process reads the run directory
+        run.logger.text(
+            f"step {pending.step}'s checkpoint (written in the background) is not published: {why}; the last complete checkpoint is {checkpoint.latest(run.checkpointer.run_dir)}"
+        )
 
 
 def _after_loop(run, cfg: Config, watchdog: Watchdog, ledger, stopped_by: str | None) -> dict:
