@@ -1,0 +1,418 @@
+"""Fair tuning for the token-efficiency study (docs/study.md): every arm gets the same number of
+trials of one seed on the tuning split, by the same search rule.
+
+    python benchmarks/tune.py --data.dir=data/study/prose-tune --out tuning/prose [--budget 16]
+        [--arms baseline,recipe,ablation] [--cap 4] [--section.key=value ...]
+
+The arms and what each searches (its config's values are the search's starting point):
+
+    baseline  configs/study_baseline.toml (llm.c's AdamW recipe): lr x warmup share x weight
+              decay (0, 0.1) x final-lr ratio (min_lr / lr)
+    recipe    configs/study_recipe.toml (Muon + wsd): Muon lr x AdamW lr x decay share
+    ablation  configs/study_ablation.toml (AdamW with the recipe's wsd, lr and no weight decay):
+              lr x decay share
+
+The rule, the same for every arm: a coordinate search on a lattice per axis (learning rates by
+factors of 2, shares by fixed steps, weight decay its two values), axes in a fixed order. Each
+proposal changes one axis of the best point so far: first the best's missing neighbours on each
+axis, in order; when the best sits at the end of an axis, that axis is extended by one step past
+it (a learning rate may grow or shrink without limit; a share stops at its bounds, where the best
+is "at a bound", not at an edge). Only when the best has tried neighbours on every side of every
+axis does the search refine: it halves the spacing around the best on the axis refined least so
+far (at most 6 times). So every best is strictly inside its grid unless a bound stops it.
+
+Budget: each arm runs `--budget` trials; an arm whose best is still at an edge then runs up to
+`--cap` more trials that only extend and fill neighbours; then every arm is brought to the same
+count, the largest, with more trials by the same rule. Every arm ends with the same number of
+trials (unless one runs out of points to try: the table says so).
+
+Each trial is an ordinary run directory, OUT/<arm>/<point> (`gptrain train --config ARM
+[overrides] --train.seed=1 --run.dir=...`): it resumes itself, and a finished one is read from
+its summary.json. The search is a function of the results, so running the same command again
+replays it and trains only what is missing. OUT/tune.json holds every trial and each arm's best;
+the table goes to stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gptrain.cache import atomic_write_bytes
+from gptrain.config.cli import parse_cli
+from gptrain.config.load import load_config
+from gptrain.errors import UserError, first_line
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_REFINE = 6  # halvings of an axis's spacing around the best
+SEED = 1
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str
+    center: float
+    step: float  # log: a factor; lin: an increment; cat: unused
+    scale: str = "log"  # log | lin | cat
+    lo: float = -math.inf  # lin: the lowest value allowed
+    hi: float = math.inf
+    choices: tuple[float, ...] = ()  # cat: every value
+
+
+@dataclass(frozen=True)
+class Arm:
+    config: str
+    axes: tuple[Axis, ...]
+
+    def overrides(self, point: dict[str, float], max_steps: int) -> list[str]:
+        """The point as `section.key=value` overrides of the arm's config."""
+        out = []
+        for name, value in point.items():
+            if name == "warmup_share":
+                out.append(f"optim.warmup_steps={round(value * max_steps)}")
+            elif name == "final_lr_ratio":
+                out.append(f"optim.min_lr={value * point['lr']:.6g}")
+            else:
+                out.append(f"optim.{name}={value:.6g}")
+        return out
+
+
+ARMS = {
+    "baseline": Arm(
+        "configs/study_baseline.toml",
+        (
+            Axis("lr", 4e-3, 2.0),
+            Axis("warmup_share", 0.05, 0.05, "lin", 0.0, 0.5),
+            Axis("weight_decay", 0.1, 0.0, "cat", choices=(0.0, 0.1)),
+            Axis("final_lr_ratio", 0.1, 0.1, "lin", 0.0, 1.0),
+        ),
+    ),
+    "recipe": Arm(
+        "configs/study_recipe.toml",
+        (
+            Axis("muon_lr", 0.02, 2.0),
+            Axis("lr", 4e-3, 2.0),
+            Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0),
+        ),
+    ),
+    "ablation": Arm(
+        "configs/study_ablation.toml",
+        (Axis("lr", 4e-3, 2.0), Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0)),
+    ),
+}
+
+
+def _mid(axis: Axis, a: float, b: float) -> float:
+    return math.sqrt(a * b) if axis.scale == "log" else (a + b) / 2
+
+
+def _past(axis: Axis, value: float, side: int) -> float | None:
+    """One base step past `value` on `side` (-1 down, +1 up), stopping at a bound; None when
+    `value` is the bound."""
+    if axis.scale == "log":
+        return value * axis.step**side
+    bound = axis.lo if side < 0 else axis.hi
+    if value == bound:
+        return None
+    nxt = round(value + side * axis.step, 10)
+    return min(nxt, bound) if side > 0 else max(nxt, bound)
+
+
+@dataclass
+class Search:
+    """The coordinate search of one arm over its results so far (point -> val loss)."""
+
+    axes: tuple[Axis, ...]
+    results: dict[tuple[float, ...], float] = field(default_factory=dict)
+    order: list[tuple[float, ...]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.values = {a.name: sorted(a.choices) if a.choices else [a.center] for a in self.axes}
+
+    def record(self, point: tuple[float, ...], loss: float) -> None:
+        self.results[point] = loss if math.isfinite(loss) else math.inf
+        self.order.append(point)
+        for axis, value in zip(self.axes, point, strict=True):
+            if value not in self.values[axis.name]:
+                self.values[axis.name] = sorted([*self.values[axis.name], value])
+
+    def best(self) -> tuple[float, ...] | None:
+        """The lowest loss so far; the earlier trial on a tie."""
+        return min(self.order, key=lambda p: self.results[p]) if self.order else None
+
+    def _with(self, point, i: int, value: float) -> tuple[float, ...]:
+        return (*point[:i], value, *point[i + 1 :])
+
+    def _neighbours(self, i: int, point) -> list[tuple[float, ...]]:
+        """The points next to `point` on axis i (every other value on a categorical axis)."""
+        axis, vals = self.axes[i], self.values[self.axes[i].name]
+        if axis.scale == "cat":
+            return [self._with(point, i, v) for v in vals if v != point[i]]
+        k = vals.index(point[i])
+        near = [vals[k - 1]] if k > 0 else []
+        near += [vals[k + 1]] if k + 1 < len(vals) else []
+        return [self._with(point, i, v) for v in near]
+
+    def position(self, i: int) -> str:
+        """Where the best sits on axis i among the points tried on its line (the best with only
+        axis i changed): inside (tried on both sides; every value of a categorical axis), at a
+        bound (nothing can be tried past it), or at an edge."""
+        best, axis = self.best(), self.axes[i]
+        line = [p[i] for p in self.order if self._with(best, i, p[i]) == p and p != best]
+        if axis.scale == "cat":
+            return "inside" if set(line) | {best[i]} == set(axis.choices) else "edge"
+        where = "inside"
+        for side in (-1, 1):
+            if not any((v - best[i]) * side > 0 for v in line):
+                if _past(axis, best[i], side) is not None:
+                    return "edge"
+                where = "bound"
+        return where
+
+    def at_edge(self) -> bool:
+        return self.best() is not None and any(
+            self.position(i) == "edge" for i in range(len(self.axes))
+        )
+
+    def _fill(self) -> tuple[float, ...] | None:
+        """The best's first missing neighbour, extending an axis at whose end the best sits."""
+        best = self.best()
+        for i, axis in enumerate(self.axes):
+            vals = self.values[axis.name]
+            if axis.scale != "cat":
+                for side, end in ((-1, vals[0]), (1, vals[-1])):
+                    past = _past(axis, end, side) if best[i] == end else None
+                    if past is not None:
+                        self.values[axis.name] = sorted([*vals, past])
+                        vals = self.values[axis.name]
+            for n in self._neighbours(i, best):
+                if n not in self.results:
+                    return n
+        return None
+
+    def _refine(self) -> bool:
+        """Halve the spacing around the best on the least refined numeric axis; False if none."""
+        best, levels = self.best(), []
+        for i, axis in enumerate(self.axes):
+            if axis.scale == "cat":
+                continue
+            vals = self.values[axis.name]
+            k = vals.index(best[i])
+            gaps = [(vals[j], best[i]) for j in (k - 1, k + 1) if 0 <= j < len(vals)]
+            unit = math.log(axis.step) if axis.scale == "log" else axis.step
+            width = [abs(math.log(a / b)) if axis.scale == "log" else abs(a - b) for a, b in gaps]
+            level = round(math.log2(unit / max(width))) if width else MAX_REFINE
+            if level < MAX_REFINE:
+                levels.append((level, i, gaps))
+        if not levels:
+            return False
+        _, i, gaps = min(levels)
+        axis = self.axes[i]
+        mids = [round(_mid(axis, a, b), 12) for a, b in gaps]
+        self.values[axis.name] = sorted({*self.values[axis.name], *mids})
+        return True
+
+    def propose(self, refine: bool = True) -> tuple[float, ...] | None:
+        """The next point to try; None when there is none (refine=False: only edges and
+        neighbours, no refinement)."""
+        if not self.order:
+            return tuple(a.center for a in self.axes)
+        while True:
+            if (point := self._fill()) is not None:
+                return point
+            if not refine or not self._refine():
+                return None
+
+
+def tune(searches: dict[str, Search], trial, budget: int, cap: int, after=None) -> dict[str, int]:
+    """Run every arm's search with `trial(arm, point) -> loss` (then `after()`, when given);
+    returns each arm's trial count. Phase 1: `budget` trials each; phase 2: an arm at an edge gets
+    up to `cap` more that only extend and fill; phase 3: every arm is brought to the largest count."""
+
+    def step(arm: str, refine: bool) -> bool:
+        point = searches[arm].propose(refine)
+        if point is None:
+            return False
+        searches[arm].record(point, trial(arm, point))
+        if after:
+            after()
+        return True
+
+    for arm, s in searches.items():
+        while len(s.order) < budget and step(arm, True):
+            pass
+        while len(s.order) < budget + cap and s.at_edge() and step(arm, False):
+            pass
+    most = max(len(s.order) for s in searches.values())
+    for arm, s in searches.items():
+        while len(s.order) < most and step(arm, True):
+            pass
+    return {arm: len(s.order) for arm, s in searches.items()}
+
+
+class Stopped(Exception):
+    """A trial was stopped by a signal: tuning stops too, and continues next time."""
+
+
+def label(arm: Arm, point: tuple[float, ...]) -> str:
+    return ",".join(f"{a.name}={v:.6g}" for a, v in zip(arm.axes, point, strict=True))
+
+
+def point_dict(arm: Arm, point: tuple[float, ...]) -> dict[str, float]:
+    return {a.name: v for a, v in zip(arm.axes, point, strict=True)}
+
+
+def read_loss(run_dir: Path) -> float | None:
+    """A finished run's final val loss (nan when it logged none); None while unfinished."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    return float(json.loads(path.read_text()).get("val_loss", math.nan))
+
+
+def train_trial(arm: Arm, run_dir: Path, overrides: list[str]) -> float:
+    """One trial as `gptrain train` in a subprocess (its output to stderr); a finished run is read."""
+    if (loss := read_loss(run_dir)) is not None:
+        return loss
+    cmd = [sys.executable, "-m", "gptrain", "train", "--config", str(REPO / arm.config)]
+    cmd += [f"--{o}" for o in overrides] + [f"--train.seed={SEED}", f"--run.dir={run_dir}"]
+    print(f"tune: {run_dir}", file=sys.stderr)
+    code = subprocess.run(cmd, stdout=sys.stderr).returncode
+    if code == 2:
+        raise UserError(f"gptrain train refused {run_dir}'s config (its line is above); fix it")
+    if code in (130, -2):
+        raise KeyboardInterrupt
+    loss = read_loss(run_dir)
+    if loss is None and code == 0:
+        raise Stopped(f"{run_dir} was stopped by a signal; run the same command to continue")
+    return math.inf if loss is None else loss
+
+
+def parse_args(argv: list[str]) -> dict:
+    """tune.py's own flags; the rest are `--section.key=value` overrides of every trial."""
+    own = {"out": None, "budget": "16", "cap": "4", "arms": ",".join(ARMS)}
+    rest, i = [], 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in ("-h", "--help"):
+            print(__doc__.strip())
+            raise SystemExit(0)
+        if flag[2:] in own:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise UserError(f"{flag} needs a value; see benchmarks/tune.py --help")
+                value, i = argv[i + 1], i + 1
+            own[flag[2:]] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    config, overrides = parse_cli(rest)
+    if config or not own["out"]:
+        raise UserError("benchmarks/tune.py needs --out DIR (the arms' configs are its own)")
+    arms = own["arms"].split(",")
+    if unknown := [a for a in arms if a not in ARMS]:
+        raise UserError(f"--arms: unknown {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    try:
+        budget, cap = int(own["budget"]), int(own["cap"])
+    except ValueError:
+        raise UserError("--budget and --cap are whole numbers, e.g. --budget 16 --cap 4") from None
+    return {"out": Path(own["out"]), "budget": budget, "cap": cap, "arms": arms, "o": overrides}
+
+
+def check_plan(out: Path, plan: dict) -> None:
+    """OUT/plan.json: the arms' configs and overrides; other ones would resume other trials."""
+    path = out / "plan.json"
+    if path.is_file() and json.loads(path.read_text()) != plan:
+        raise UserError(
+            f"--out {out} holds trials of other configs or overrides (see {path}); run the same command to continue, or choose another --out"
+        )
+    atomic_write_bytes(path, json.dumps(plan, indent=1).encode())
+
+
+def results(args: dict, searches: dict[str, Search], steps: dict[str, int]) -> dict:
+    """tune.json: every trial and each arm's best with where it sits on each axis."""
+    arms = {}
+    for name, s in searches.items():
+        arm = ARMS[name]
+        trials = [
+            {
+                "point": point_dict(arm, p),
+                "overrides": arm.overrides(point_dict(arm, p), steps[name]),
+                "dir": str(args["out"] / name / label(arm, p)),
+                "val_loss": s.results[p] if math.isfinite(s.results[p]) else None,
+            }
+            for p in s.order
+        ]
+        best = s.best()
+        arms[name] = {
+            "config": arm.config,
+            "max_steps": steps[name],
+            "trials": trials,
+            "best": trials[s.order.index(best)] if best else None,
+            "position": {a.name: s.position(i) for i, a in enumerate(arm.axes)} if best else {},
+        }
+    return {"budget": args["budget"], "cap": args["cap"], "seed": SEED, "overrides": args["o"]} | {
+        "arms": arms
+    }
+
+
+def table(report: dict) -> str:
+    lines = ["| arm | trial | point | val loss |", "|---|---:|---|---:|"]
+    for name, arm in report["arms"].items():
+        for n, t in enumerate(arm["trials"], 1):
+            point = ", ".join(f"{k} {v:.4g}" for k, v in t["point"].items())
+            loss = "failed" if t["val_loss"] is None else f"{t['val_loss']:.4f}"
+            if t is arm["best"]:
+                point, loss = f"**{point}**", f"**{loss}**"
+            lines.append(f"| {name} | {n} | {point} | {loss} |")
+    lines += ["", "| arm | trials | best | val loss | position |", "|---|---:|---|---:|---|"]
+    for name, arm in report["arms"].items():
+        b = arm["best"]
+        point = ", ".join(f"{k} {v:.4g}" for k, v in b["point"].items())
+        where = ", ".join(f"{k} {v}" for k, v in arm["position"].items())
+        loss = "failed" if b["val_loss"] is None else f"{b['val_loss']:.4f}"
+        lines.append(f"| {name} | {len(arm['trials'])} | {point} | {loss} | {where} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    out = args["out"]
+    # each arm's steps (its warmup is set per trial from the share: 0 here, so that any fits)
+    o = [*args["o"], "optim.warmup_steps=0"]
+    steps = {a: load_config(str(REPO / ARMS[a].config), o).train.max_steps for a in args["arms"]}
+    plan = {a: (REPO / ARMS[a].config).read_text() for a in args["arms"]}
+    out.mkdir(parents=True, exist_ok=True)
+    check_plan(out, {"configs": plan, "overrides": args["o"], "seed": SEED})
+    searches = {a: Search(ARMS[a].axes) for a in args["arms"]}
+
+    def trial(name: str, point: tuple[float, ...]) -> float:
+        arm = ARMS[name]
+        overrides = args["o"] + arm.overrides(point_dict(arm, point), steps[name])
+        return train_trial(arm, out / name / label(arm, point), overrides)
+
+    def save() -> None:
+        report = results(args, searches, steps)
+        atomic_write_bytes(out / "tune.json", json.dumps(report, indent=1).encode())
+
+    try:
+        tune(searches, trial, args["budget"], args["cap"], save)
+    except Stopped as e:
+        print(f"tune: {e}", file=sys.stderr)
+        return 0
+    report = results(args, searches, steps) | {"complete": True}
+    atomic_write_bytes(out / "tune.json", json.dumps(report, indent=1).encode())
+    print(table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UserError as e:
+        print(f"tune: {first_line(e)}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,155 @@
+"""benchmarks/tune.py's search with a fake trial (a bowl around a known optimum, no training): every
+best ends strictly inside its grid (or at a bound), edges are extended, every arm gets the same
+number of trials, and a stopped search resumes to the same trials."""
+
+import json
+import math
+import sys
+
+import pytest
+from train_helpers import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import tune  # noqa: E402
+from tune import Axis, Search  # noqa: E402
+
+LR = Axis("lr", 4e-3, 2.0)
+SHARE = Axis("share", 0.4, 0.2, "lin", 0.1, 1.0)
+WD = Axis("wd", 0.1, 0.0, "cat", choices=(0.0, 0.1))
+
+
+def bowl(optimum: dict[str, float], axes):
+    """A loss whose minimum is at `optimum`: squared distance in lattice steps."""
+
+    def loss(point):
+        total = 0.0
+        for a, v in zip(axes, point, strict=True):
+            o = optimum[a.name]
+            if a.scale == "log":
+                total += math.log2(v / o) ** 2
+            elif a.scale == "lin":
+                total += ((v - o) / a.step) ** 2
+            else:
+                total += 0.0 if v == o else 0.5
+        return total
+
+    return loss
+
+
+def run(arms: dict, optima: dict, budget=16, cap=4):
+    searches = {name: Search(axes) for name, axes in arms.items()}
+    fns = {name: bowl(optima[name], axes) for name, axes in arms.items()}
+    counts = tune.tune(searches, lambda arm, p: fns[arm](p), budget, cap)
+    return searches, counts
+
+
+def line(search: Search, i: int) -> list[float]:
+    """The values tried on axis i with every other axis at the best's."""
+    best = search.best()
+    return sorted(p[i] for p in search.order if p[:i] + p[i + 1 :] == best[:i] + best[i + 1 :])
+
+
+def test_a_best_beyond_the_first_grid_is_reached_and_ends_inside():
+    searches, counts = run({"a": (LR, SHARE)}, {"a": {"lr": 0.05, "share": 0.72}})
+    s = searches["a"]
+    best = dict(zip(("lr", "share"), s.best(), strict=True))
+    lrs = line(s, 0)
+    assert 0.128 in [round(v, 12) for v in lrs]  # extended 5 doublings up, one past 0.064
+    assert lrs[0] < best["lr"] < lrs[-1]  # tried on both sides
+    assert abs(math.log2(best["lr"] / 0.05)) < 0.5  # then refined: nearer than 0.064 (0.36)
+    assert abs(best["share"] - 0.72) <= 0.08 + 1e-9  # 0.8, the lattice's nearest, or nearer
+    assert [s.position(i) for i in range(2)] == ["inside", "inside"]
+    assert 16 <= counts["a"] <= 20  # the budget, and at most the cap to leave an edge
+
+
+def test_an_optimum_past_a_bound_is_at_the_bound_not_an_edge():
+    searches, _ = run({"a": (LR, SHARE, WD)}, {"a": {"lr": 4e-3, "share": 0.0, "wd": 0.0}})
+    s = searches["a"]
+    assert s.best()[1] == 0.1 and s.best()[2] == 0.0  # share's lowest allowed value, 0.4 - 0.3
+    assert [s.position(i) for i in range(3)] == ["inside", "bound", "inside"]
+    assert not s.at_edge()
+
+
+def test_every_arm_ends_with_the_same_number_of_trials():
+    """A far optimum needs trials past the budget (up to the cap); the other arms are then brought
+    to the same count by the same rule, although their search converged early."""
+    arms = {"far": (LR, SHARE), "near": (LR, SHARE, WD), "two": (LR, SHARE)}
+    optima = {
+        "far": {"lr": 4e-3 * 2**14, "share": 0.4},  # 14 doublings away
+        "near": {"lr": 4e-3, "share": 0.4, "wd": 0.1},
+        "two": {"lr": 5e-3, "share": 0.5},
+    }
+    searches, counts = run(arms, optima, budget=12, cap=4)
+    assert counts == {"far": 16, "near": 16, "two": 16}
+    assert searches["far"].at_edge()  # still at its edge after the cap: the table says so
+    assert searches["far"].position(0) == "edge"
+    assert not searches["near"].at_edge() and not searches["two"].at_edge()
+    # the converged arms spent their extra trials refining around their best
+    two = searches["two"]
+    assert len(set(two.order)) == 16 and two.position(0) == "inside"
+
+
+def test_an_edge_is_extended_before_anything_is_refined():
+    s = Search((LR, SHARE))
+    loss = bowl({"lr": 4e-3 / 8, "share": 0.4}, s.axes)
+    for _ in range(6):
+        point = s.propose()
+        s.record(point, loss(point))
+    # the center, then one step past each new lower edge until the best is inside; no midpoint
+    assert [p[0] for p in s.order[:5]] == pytest.approx([4e-3 / 2**k for k in range(5)])
+    assert s.order[5] == (4e-3 / 8, 0.2)  # then the next axis, at the best's lr
+
+
+def test_a_stopped_search_resumes_to_the_same_trials():
+    """The search is a function of the results: rerun with the finished trials read back (as
+    run directories are), it proposes the same points and trains only the missing ones."""
+    arms = {"a": (LR, SHARE, WD), "b": (LR,)}
+    optima = {"a": {"lr": 0.02, "share": 0.8, "wd": 0.0}, "b": {"lr": 1e-3}}
+    fns = {name: bowl(optima[name], axes) for name, axes in arms.items()}
+    done, trained = {}, []
+
+    class Stop(Exception):
+        pass
+
+    def trial(arm, point, stop_after=None):
+        if (arm, point) not in done:
+            if stop_after is not None and len(trained) >= stop_after:
+                raise Stop
+            trained.append((arm, point))
+            done[arm, point] = fns[arm](point)
+        return done[arm, point]
+
+    with pytest.raises(Stop):
+        tune.tune({n: Search(a) for n, a in arms.items()}, lambda a, p: trial(a, p, 9), 10, 2)
+    assert len(trained) == 9
+    resumed = {n: Search(a) for n, a in arms.items()}
+    tune.tune(resumed, trial, 10, 2)
+    whole, _ = run(arms, optima, budget=10, cap=2)
+    assert {n: s.order for n, s in resumed.items()} == {n: s.order for n, s in whole.items()}
+    assert len(trained) == sum(len(s.order) for s in whole.values())  # none trained twice
+
+
+def test_a_finished_trial_is_read_not_trained(tmp_path, monkeypatch):
+    run_dir = tmp_path / "baseline" / "lr=0.004"
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({"val_loss": 1.25}))
+    monkeypatch.setattr(tune.subprocess, "run", lambda *a, **k: pytest.fail("trained again"))
+    assert tune.train_trial(tune.ARMS["baseline"], run_dir, []) == 1.25
+
+
+def test_shares_become_steps_and_ratios_become_min_lr():
+    arm = tune.ARMS["baseline"]
+    point = {"lr": 2e-3, "warmup_share": 0.05, "weight_decay": 0.0, "final_lr_ratio": 0.1}
+    assert arm.overrides(point, 500) == [
+        "optim.lr=0.002",
+        "optim.warmup_steps=25",
+        "optim.weight_decay=0",
+        "optim.min_lr=0.0002",
+    ]
+
+
+def test_other_overrides_in_the_same_folder_are_refused(tmp_path):
+    tune.check_plan(tmp_path, {"configs": {"a": "x"}, "overrides": ["train.max_steps=10"]})
+    tune.check_plan(tmp_path, {"configs": {"a": "x"}, "overrides": ["train.max_steps=10"]})
+    with pytest.raises(tune.UserError, match="other configs or overrides"):
+        tune.check_plan(tmp_path, {"configs": {"a": "x"}, "overrides": ["train.max_steps=20"]})
