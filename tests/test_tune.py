@@ -153,3 +153,14 @@ def test_other_overrides_in_the_same_folder_are_refused(tmp_path):
     tune.check_plan(tmp_path, {"configs": {"a": "x"}, "overrides": ["train.max_steps=10"]})
     with pytest.raises(tune.UserError, match="other configs or overrides"):
         tune.check_plan(tmp_path, {"configs": {"a": "x"}, "overrides": ["train.max_steps=20"]})
+
+
+@pytest.mark.parametrize("name", sorted(tune.ARMS))
+def test_each_arm_starts_at_its_config(name):
+    """The search's first point is the arm's preset: applying it changes nothing."""
+    from gptrain.config.load import load_config
+
+    arm = tune.ARMS[name]
+    cfg = load_config(str(REPO / arm.config))
+    center = {a.name: a.center for a in arm.axes}
+    assert load_config(str(REPO / arm.config), arm.overrides(center, cfg.train.max_steps)) == cfg
