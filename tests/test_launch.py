@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from gptrain.__main__ import main as cli
+from gptrain.checkpoint import lock
 from gptrain.config.sections import DistConfig
 from gptrain.distributed import launch
 from gptrain.distributed import store as rdzv_store
@@ -121,6 +122,7 @@ def _elastic(monkeypatch, endpoint: str) -> DistConfig:
     """An elastic DistConfig at endpoint; the variables launch() sets are restored afterwards."""
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     monkeypatch.setenv(FRESH_STORE, "0")
+    monkeypatch.setenv(launch.JOB_ENV, "")
     return DistConfig(nnodes="1:2", rdzv_endpoint=endpoint, rdzv_conf="last_call_timeout=5")
 
 
@@ -133,6 +135,9 @@ def test_agents_connect_to_a_gptrain_store_as_clients(monkeypatch, capsys):
     assert launch.launch(1, ["--config", "configs/debug.toml"], cfg) == 0
     assert "--rdzv_conf=last_call_timeout=5,is_host=false" in calls[0]
     assert capsys.readouterr().err == ""
+    # the workers learn their job, for the run folder's lock (checkpoint/lock.py)
+    assert os.environ[lock.JOB_ENV] == f"gptrain@127.0.0.1:{store.port}"
+    assert launch.JOB_ENV == lock.JOB_ENV
 
 
 def test_a_store_hosted_by_this_agent_is_marked_and_named(monkeypatch, capsys):

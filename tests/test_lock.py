@@ -106,6 +106,27 @@ def test_a_pid_of_another_boot_or_namespace_is_judged_by_its_heartbeat(tmp_path)
         RunLock(tmp_path, "gptrain train").acquire()
 
 
+def test_an_earlier_round_of_the_same_job_is_taken_over(tmp_path, monkeypatch, capsys):
+    """Rank 0 of a re-formed multi-node round (now on another node) finds the lock of the round
+    before, still fresh: the same job (rendezvous id and endpoint) takes it over with the line;
+    another job, or a process outside any job, is refused."""
+    job = "gptrain@node0:29500"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    write_lock(tmp_path, host="node-elsewhere", pid=1, boot="x", job=job)
+    for mine in ("", "another@node0:29500"):
+        monkeypatch.setenv(lock.JOB_ENV, mine)
+        with pytest.raises(UserError, match="in use by gptrain train"):
+            RunLock(tmp_path, "gptrain train").acquire()
+    monkeypatch.setenv(lock.JOB_ENV, job)
+    with RunLock(tmp_path, "gptrain train"):
+        assert held_by_me(tmp_path)
+        assert json.loads((tmp_path / ".lock").read_text())["job"] == job
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(
+        f"it was taken in an earlier round of this job ({job}), whose workers torch's agents stopped"
+    )
+
+
 @pytest.mark.parametrize("content", [b"", b"{not json", b'{"host": "h"}', b"\xff\xfe", b"[1]"])
 def test_a_malformed_lock_is_taken_over_with_a_line(tmp_path, capsys, content):
     (tmp_path / ".lock").write_bytes(content)

@@ -1,13 +1,15 @@
 """A run folder has one owner: `with RunLock(folder, "gptrain train"): ...`.
 
-The lock is FOLDER/.lock, a JSON object {host, pid, what, started, heartbeat, boot, token}, created
+The lock is FOLDER/.lock, a JSON object {host, pid, what, started, heartbeat, boot, job, token}, created
 atomically (a complete temporary file hard-linked into place: it exists whole or not at all). While
 it is held a background thread rewrites its heartbeat every HEARTBEAT_S seconds. Another job finds
 it and stops with one line (a UserError, exit 2) unless the lock is stale:
 
 - same host (the same boot of it, the same pid namespace): the pid recorded is not running any more;
 - otherwise (another host, this host restarted, another container): its heartbeat is older than STALE_S;
-- its content is not a lock (malformed): data, not a holder.
+- its content is not a lock (malformed): data, not a holder;
+- it was taken by an earlier round of this same multi-node job (the same rendezvous): torch's
+  agents stop every worker before a round re-forms, and rank 0 may now be on another node.
 
 A stale lock is taken over with one warning line on stderr (host, pid, heartbeat age), so a job
 killed by SIGKILL, or requeued on another node after its node died, continues. Every change of the
@@ -35,6 +37,7 @@ LOCK = ".lock"
 HEARTBEAT_S = 10.0  # how often the holder refreshes its heartbeat
 STALE_S = 60.0  # a lock of another host not refreshed for this long is stale (its node died)
 GUARD_WAIT_S = 10.0  # the longest wait for flock on the folder (held for milliseconds)
+JOB_ENV = "GPTRAIN_JOB"  # RDZV_ID@ENDPOINT, exported by distributed/launch.py to its workers
 
 
 def _boot_id() -> str:
@@ -89,11 +92,24 @@ def _guard(folder: Path):
         os.close(fd)  # releases the flock
 
 
+def _job() -> str:
+    """The multi-node job this process is a worker of ("" outside one): gptrain's launcher
+    exports its rendezvous id and endpoint; under torchrun alone, torch's rendezvous id (unless
+    left at torchrun's default, "none", which many jobs share)."""
+    job = os.environ.get(JOB_ENV, "")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return job or (run_id if run_id not in ("", "none") else "")
+
+
 def stale_reason(holder: dict | None, now: float | None = None) -> str | None:
     """Why a lock's content does not stop this process taking it (None: a live holder)."""
     now = time.time() if now is None else now
     if holder is None:
         return "its content is not a lock"
+    me = (socket.gethostname(), os.getpid())
+    if holder["job"] and holder["job"] == _job() and (holder["host"], holder["pid"]) != me:
+        # one rank 0 per round, and torch's agents stop every worker before a new round starts
+        return f"it was taken in an earlier round of this job ({holder['job']}), whose workers torch's agents stopped"
     if holder["host"] == socket.gethostname() and holder["boot"] == _boot_id():
         if _pid_running(holder["pid"]):
             return None
@@ -116,7 +132,8 @@ def read(path: Path) -> dict | None:
         for k, t in types.items()
     ):
         return None
-    return {**d, "boot": str(d.get("boot", "")), "token": str(d.get("token", ""))}
+    extra = {k: str(d.get(k, "")) for k in ("boot", "token", "job")}
+    return {**d, **extra}
 
 
 class RunLock:
@@ -140,7 +157,7 @@ class RunLock:
 
     def _content(self, started: float) -> bytes:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "what": self.what}
-        me |= {"started": started, "heartbeat": time.time(), "boot": _boot_id()}
+        me |= {"started": started, "heartbeat": time.time(), "boot": _boot_id(), "job": _job()}
         return json.dumps({**me, "token": self.token}).encode()
 
     def _write_tmp(self, data: bytes) -> Path:

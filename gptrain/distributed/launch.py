@@ -108,6 +108,7 @@ def check_endpoint(endpoint: str, timeout_s: float) -> None:
             time.sleep(1.0)
 
 
+JOB_ENV = "GPTRAIN_JOB"  # read by checkpoint/lock.py (which stays free of torch: its own copy)
 MARK_WAIT_S = 10.0  # how long an agent waits for the store's host mark once the store answers
 
 
@@ -134,6 +135,9 @@ def _rendezvous_args(cfg: DistConfig, low: int, high: int) -> tuple[list[str], H
             file=sys.stderr,
             flush=True,
         )
+    # the job's identity for the run folder's lock (checkpoint/lock.py): a round re-formed with
+    # rank 0 on another node takes over the lock of the round before
+    os.environ[JOB_ENV] = f"{cfg.rdzv_id}@{cfg.rdzv_endpoint}"
     args = [
         f"--nnodes={low}:{high}" if low < high else f"--nnodes={low}",
         "--rdzv_backend=c10d",
