@@ -4,10 +4,11 @@ of 2 gloo ranks, started by dist_helpers.spawn; each writes its result to OUT.RA
 - `probe OVERRIDES...`: the real `train()` of configs/debug.toml, recording on this rank, before
   each optimizer step, the learning rate it sets and an exact fingerprint of every parameter
   (what the step starts from), and after the run its training time.
-- `check MODE`: `replicas.check` on a small model and an AdamW state after two steps: `same`
-  (every rank equal), `perturbed` (rank 1's second parameter one ulp off), `swapped` (rank 1's
-  first optimizer moment with two elements swapped), `counts` (rank 1 lacks a tensor); the
-  ReplicaMismatch line each rank raised, or None.
+- `check MODE...`: `replicas.check` on a small model and its AdamW state after two steps, once
+  per mode: `same` (every rank equal), `perturbed` (rank 1's first bias one ulp off at element
+  3), `swapped` (two elements of rank 1's first AdamW moment swapped), `cursor` (rank 1's data
+  cursor one window ahead), `counts` (rank 1 holds one tensor fewer); {mode: the ReplicaMismatch
+  line this rank raised, or None}.
 """
 
 from __future__ import annotations
@@ -58,40 +59,51 @@ def probe(overrides: list[str]) -> dict:
     return {"steps": steps, "train_s": summary["train_s"], "done": summary["steps"]}
 
 
-def check(mode: str) -> dict:
+def check(modes: list[str]) -> dict:
     from gptrain.distributed import failures, replicas
     from gptrain.distributed import runtime as dist
 
     info = dist.DistInfo.from_env("cpu")
     dist.init(info, "gloo", 60)
+    lines = {}
+    for mode in modes:
+        model, optimizer = _trained()
+        if info.rank == 1 and mode == "perturbed":
+            w = model[0].bias.detach()
+            w[3] = torch.nextafter(w[3], torch.tensor(float("inf")))
+        if info.rank == 1 and mode == "swapped":
+            m = optimizer.state[model[0].weight]["exp_avg"].view(-1)
+            m[[0, 9]] = m[[9, 0]]
+        numbers = {
+            "train_state.step": 2,
+            "data.windows_consumed": 48 + (info.rank == 1 and mode == "cursor"),
+        }
+        tensors = replicas.replicated(model, optimizer, numbers)
+        if info.rank == 1 and mode == "counts":
+            tensors = tensors[:-1]
+        try:
+            replicas.check(tensors, info, step=2)
+            lines[mode] = None
+        except failures.ReplicaMismatch as e:
+            lines[mode] = str(e)
+    dist.teardown()
+    return lines
+
+
+def _trained():
+    """A small model and its AdamW state after two steps on the same data: replicas."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(2):  # the same data on every rank: replicas
-        model(torch.ones(3, 8)).square().sum().backward()
+    for _ in range(2):
+        model(torch.randn(3, 8)).square().sum().backward()
         optimizer.step()
-    names = {p: n for n, p in model.named_parameters()}
-    if info.rank == 1 and mode == "perturbed":
-        w = model[0].bias.detach()
-        w[3] = torch.nextafter(w[3], torch.tensor(float("inf")))
-    if info.rank == 1 and mode == "swapped":
-        m = optimizer.state[model[0].weight]["exp_avg"].view(-1)
-        m[[0, 1]] = m[[1, 0]]
-    tensors = replicas.replicated(model, optimizer, {"step": 2.0})
-    if info.rank == 1 and mode == "counts":
-        tensors = tensors[:-1]
-    line = None
-    try:
-        replicas.check(tensors, info, step=2)
-    except failures.ReplicaMismatch as e:
-        line = str(e)
-    dist.teardown()
-    return {"line": line, "names": [names[p] for p in model.parameters()]}
+    return model, optimizer
 
 
 if __name__ == "__main__":
     name, out_file, *rest = sys.argv[1:]
-    result = probe(rest) if name == "probe" else check(rest[0])
+    result = probe(rest) if name == "probe" else check(rest)
     Path(f"{out_file}.{os.environ.get('RANK', '0')}").write_text(json.dumps(result))
     from gptrain.__main__ import exit_quickly
 

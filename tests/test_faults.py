@@ -3,7 +3,9 @@ for another rank, `crash` exits 1 inside its step, `spike` multiplies that step'
 gradients by 20, `eval_error` raises once at its step, `publish_error` fails a publish with ENOSPC
 (one process here; 2 ranks, full and sharded: tests/test_publish_error.py); `kill_save` and
 `kill_eval` SIGKILL a run in tests/test_kill_faults.py (2 ranks: tests/test_chaos.py). `hang` and
-`stall_save` are exercised with the watchdog (tests/test_watchdog.py)."""
+`stall_save` are exercised with the watchdog (tests/test_watchdog.py). `step_time` is this rank's
+fixed step time, `perturb` moves one weight by one ulp after its step (runs with them:
+tests/test_time_budget.py, tests/test_replicas.py, tests/test_equivalence_matrix.py)."""
 
 import json
 import sys
@@ -50,6 +52,11 @@ def test_parse():
         faults.Fault("publish_error", 4, 1),
         faults.Fault("eval_error", 6, None),
     ]
+    assert faults.parse("perturb@3/1, step_time@0.25,step_time@1.5/1") == [
+        faults.Fault("perturb", 3, 1),
+        faults.Fault("step_time", 0.25, None),
+        faults.Fault("step_time", 1.5, 1),
+    ]
     assert faults.parse("kill_save@8/0, kill_eval@12,kill_save@4,kill_eval@6/1") == [
         faults.Fault("kill_save", 8, 0),
         faults.Fault("kill_eval", 12, None),
@@ -75,6 +82,12 @@ def test_parse():
         ("kill_eval@", "malformed entry 'kill_eval@'"),
         ("kill_eval@-3", "malformed entry 'kill_eval@-3'"),
         ("kill@2", "unknown fault kind 'kill'"),
+        ("perturb@0/1", "malformed entry 'perturb@0/1'"),
+        ("step_time@0", "malformed entry 'step_time@0'"),
+        ("step_time@-1", "malformed entry 'step_time@-1'"),
+        ("step_time@inf", "malformed entry 'step_time@inf'"),
+        ("step_time@x/1", "malformed entry 'step_time@x/1'"),
+        ("step_time@", "malformed entry 'step_time@'"),
     ],
 )
 def test_bad_spec_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, monkeypatch, spec, needle):  # fmt: skip
@@ -105,6 +118,32 @@ def test_inert_when_unset_or_for_another_rank(fault):
     faults.kill_save(2)
     faults.kill_save(None)
     faults.kill_eval(4)
+
+
+def test_step_time_is_this_ranks_and_inert_when_unset(fault):
+    fault("")
+    assert faults.step_seconds() is None
+    fault("step_time@1/0,step_time@1.5/1", rank=1)
+    assert faults.step_seconds() == 1.5 and not faults._active
+    assert faults.in_step(1, torch.nn.Linear(2, 2)) is faults._NULL
+    fault("step_time@0.25/1", rank=0)
+    assert faults.step_seconds() is None
+
+
+def test_perturb_moves_one_weight_by_one_ulp_after_the_step_once(fault):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fault("perturb@2")
+    with faults.in_step(1, model):
+        pass
+    with faults.in_step(2, model):
+        assert torch.equal(model.weight, before["weight"])  # the step itself is untouched
+    w = before["weight"].view(-1)
+    assert model.weight.view(-1)[0].item() == torch.nextafter(w[0], torch.tensor(1e30)).item()
+    assert torch.equal(model.weight.view(-1)[1:], w[1:])
+    assert torch.equal(model.bias, before["bias"])
+    assert faults.in_step(2, model) is faults._NULL  # once per process
 
 
 def test_eval_error_raises_once_at_its_step(fault):

@@ -1,4 +1,5 @@
-"""When a peer fails: one line naming this rank, the operation and the peers that are gone.
+"""When a peer fails: one line naming this rank, the operation and the peers that are gone; and
+when replicas differ (`ReplicaMismatch`, exit 5: gptrain/distributed/replicas.py).
 
 dist.init keeps the rendezvous store here (`keep_store`). After a collective fails, `failure()`
 asks the store which peers still check in (`alive/RANK` marks) and turns the error into a
@@ -57,6 +58,14 @@ def muted_stderr():
 
 class DistFailure(RuntimeError):
     """A collective failed: a peer died, stopped responding past dist.timeout_s, or diverged."""
+
+
+EXIT_DIVERGED = 5  # `gptrain train`'s exit code when the replicas differ (ReplicaMismatch)
+
+
+class ReplicaMismatch(Exception):
+    """Ranks that should hold the same state do not (gptrain/distributed/replicas.py): raised on
+    every rank with the same line, before the step's checkpoint is written; exit EXIT_DIVERGED."""
 
 
 def _operation(e: BaseException) -> str:

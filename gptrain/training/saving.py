@@ -1,5 +1,7 @@
 """The checkpointer: it says when a save is due (every N steps, every M minutes, the last step, an
-agreed preemption stop), saves (with checkpoint.async, published at the next save), publishes
+agreed preemption stop), checks that the replicas agree (gptrain/distributed/replicas.py: a
+mismatch stops every rank before anything is written, exit 5), saves (with checkpoint.async,
+published at the next save), publishes
 (rename into place, `latest`, retention) and rolls back (train.nonfinite or train.spike =
 rollback: reload the newest valid checkpoint and move the data cursor past the bad batch).
 Every checkpoint goes through checkpoint.manager.
@@ -11,6 +13,7 @@ import time
 
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.sections import CheckpointConfig
+from gptrain.distributed import failures, replicas
 from gptrain.distributed import runtime as dist
 from gptrain.training.guards import NonFiniteStop, Preemption
 from gptrain.training.state import TrainState
@@ -57,6 +60,7 @@ class Checkpointer:
         published at the next save. Returns the published path (main process) or None."""
         self.publish()  # at most one save pending: the previous one first
         s = self.state
+        self.check_replicas()  # before anything of this step is written
         self.pending = checkpoint.save(
             self.run_dir,
             s.step,
@@ -71,6 +75,24 @@ class Checkpointer:
         )
         self._saved_at = time.monotonic()
         return self.publish() if wait or not self.background else None
+
+    def check_replicas(self) -> None:
+        """Collective: the state every rank holds alike (parameters and optimizer state where
+        they are replicas, the counters, the data cursor) compared across the ranks by exact
+        checksums; ReplicaMismatch (exit 5) on every rank when one differs. Nothing on one
+        process."""
+        if not dist.active():
+            return
+        s, numbers = self.state, {}
+        numbers.update({f"train_state.{k}": v for k, v in s.replicated().items()})
+        numbers.update({f"data.{k}": v for k, v in self.loader.state_dict().items()})
+        try:
+            replicas.check(
+                replicas.replicated(self.model, self.optimizer, numbers), self.info, s.step
+            )
+        except failures.ReplicaMismatch as e:
+            self.logger.text(f"stopped: {e}", echo=False)  # main() prints it once per rank
+            raise
 
     def publish(self):
         """Collective: complete the pending save (rename, `latest`), then retention; its path."""

@@ -92,6 +92,25 @@ class TrainState:
         """Would one more step like the last one end past the budget?"""
         return budget_s is not None and self.train_s + self._last_step_s > budget_s
 
+    def replicated(self) -> dict:
+        """The counters every rank holds alike (the replica check compares them at each
+        checkpoint); the loop time and the tracker's run id are the main process's own."""
+        spikes = self.spikes.state_dict()
+        out = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "train_s": self.train_s,
+            "last_step_s": self._last_step_s,
+            "skipped": self.nonfinite.count(),
+            "rollbacks": self.rollbacks,
+            "spikes.count": spikes["count"],
+            "spikes.losses": spikes["losses"],
+            "spikes.norms": spikes["norms"],
+        }
+        if self.scaler.is_enabled():
+            out["scaler.scale"] = self.scaler.get_scale()
+        return out
+
     def state_dict(self) -> dict:
         return {
             "step": self.step,
