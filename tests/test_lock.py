@@ -127,6 +127,16 @@ def test_an_earlier_round_of_the_same_job_is_taken_over(tmp_path, monkeypatch, c
     )
 
 
+def test_a_folder_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError) as e, RunLock(tmp_path / "file" / "run", "gptrain train"):
+        pass
+    assert str(e.value).startswith(
+        f"run folder {tmp_path / 'file' / 'run'}: cannot take its lock .lock ("
+    )
+    assert str(e.value).endswith("check that the folder can be written, or choose another folder")
+
+
 @pytest.mark.parametrize("content", [b"", b"{not json", b'{"host": "h"}', b"\xff\xfe", b"[1]"])
 def test_a_malformed_lock_is_taken_over_with_a_line(tmp_path, capsys, content):
     (tmp_path / ".lock").write_bytes(content)

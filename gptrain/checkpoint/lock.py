@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from gptrain.errors import UserError
+from gptrain.errors import UserError, first_line
 
 LOCK = ".lock"
 HEARTBEAT_S = 10.0  # how often the holder refreshes its heartbeat
@@ -170,23 +170,32 @@ class RunLock:
 
     def acquire(self) -> None:
         self.made = not self.folder.exists()
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(8)
         self.started = time.time()
-        with _guard(self.folder):
-            while not self._create():
-                try:
-                    holder = read(self.path)
-                except FileNotFoundError:
-                    continue  # released in between: try again
-                why = stale_reason(holder)
-                if why is None:
-                    raise UserError(self.refusal(holder))
-                self._take_over(holder, why)
-                break
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with _guard(self.folder):
+                self._claim()
+        except OSError as e:  # a folder that cannot be written: bad input, one line
+            raise UserError(
+                f"run folder {self.folder}: cannot take its lock {self.path.name} ({type(e).__name__}: {first_line(e)}); check that the folder can be written, or choose another folder"
+            ) from None
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="run-lock", daemon=True)
         self._thread.start()
+
+    def _claim(self) -> None:
+        """Create the lock, or take over a stale one; a UserError while another job holds it."""
+        while not self._create():
+            try:
+                holder = read(self.path)
+            except FileNotFoundError:
+                continue  # released in between: try again
+            why = stale_reason(holder)
+            if why is None:
+                raise UserError(self.refusal(holder))
+            self._take_over(holder, why)
+            return
 
     def _create(self) -> bool:
         """The lock created whole (a hard link of a complete file); False when it exists."""
@@ -254,8 +263,8 @@ class RunLock:
         """Stop the heartbeat and remove the lock if it is still this process's; the folder too
         when the lock created it and nothing else was written there."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None:  # bounded: a beat stuck on the filesystem is left behind
+            self._thread.join(timeout=GUARD_WAIT_S + 5)
             self._thread = None
         with _guard(self.folder):
             if self._mine():
