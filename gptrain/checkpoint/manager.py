@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gptrain.checkpoint import dcp, folder, full, mirror, retention
+from gptrain.checkpoint import dcp, folder, full, lock, mirror, retention
 from gptrain.config.sections import DistConfig
 from gptrain.distributed import faults
 from gptrain.distributed import runtime as gdist
@@ -36,6 +36,7 @@ problem = retention.problem
 Plan = retention.Plan
 IOFailure = gdist.IOFailure  # a checkpoint write or publish that failed: one line on every rank
 configure_mirror = mirror.configure  # checkpoint.mirror (main process, before training)
+RunLock = lock.RunLock  # a run folder has one owner: `with RunLock(run_dir, "gptrain train"):`
 
 
 def resume_point(run_dir, resume: str) -> tuple[Path | None, list[str]]:
@@ -50,7 +51,9 @@ def resume_point(run_dir, resume: str) -> tuple[Path | None, list[str]]:
 def plan_resume(run_dir, resume: str, command: str) -> retention.Plan:
     """Main process, at start-up: what this start resumes (retention.plan: resume = STEP acts
     once, on a new timeline), the mirror looked at as in resume_point. `command`: the run's
-    config as text (a requeued job has the same). Writes nothing but a mirror download."""
+    resolved config as text; its keys that can change training identify the timeline
+    (config/identity.py), so a requeue on other nodes continues it. Writes nothing but a mirror
+    download."""
     warnings = _fetch(run_dir) if resume in ("auto", "latest") else []
     plan = retention.plan(run_dir, resume, command)
     plan.warnings = warnings + plan.warnings
