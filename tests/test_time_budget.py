@@ -81,13 +81,62 @@ def test_a_budget_run_killed_and_resumed_ends_where_the_uninterrupted_one_does(
     assert "already trained to step 6" in (cut / "train.log").read_text()
 
 
-@pytest.mark.parametrize("bad", ["10", "ten minutes", "-5m", "0s"])
+@pytest.mark.parametrize("bad", ["10", "ten minutes", "-5m", "0s", "1e-9s", "0.5s", "0.01m"])
 def test_a_budget_that_is_not_a_duration_is_one_line_exit_2(tmp_path, capsys, bad):
     args = ["train", "--config", DEBUG, f"--run.dir={tmp_path / 'r'}", f"--train.time_budget={bad}"]
     assert cli(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.time_budget" in err[0] and "90s, 10m or 2h" in err[0]
     assert not (tmp_path / "r").exists()
+    if bad in ("1e-9s", "0.5s", "0.01m"):  # durations, but shorter than a step can be
+        assert "too short to train a step; give at least 1s" in err[0]
+
+
+def test_the_budget_floor_is_in_the_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(["train", "--help"])
+    assert e.value.code in (0, None)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "train.time_budget" in out and "at least 1s" in out
+
+
+def contents(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def cli_train(byte_data, run_dir, *overrides) -> int:
+    args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
+    return cli([*args, "--log.progress=false", *(f"--{o}" for o in overrides)])
+
+
+def test_resuming_under_another_budget_is_one_line_exit_2_and_nothing_written(
+    byte_data, tmp_path, step_clock, capsys
+):
+    """A checkpoint trained under 6s resumed with 12s (the schedule would go back to 3/6 of its
+    way), 3s or none, and one trained without a budget resumed with one: one line naming both
+    budgets and the fix, exit 2, the run folder unchanged; the same budget spelled otherwise
+    (0.1m) is the same budget."""
+    run(byte_data, tmp_path / "r", *COMMON)
+    before = contents(tmp_path / "r")
+    no_budget = [o for o in COMMON if not o.startswith("train.time_budget")]
+    for other in ("12s", "3s", ""):
+        capsys.readouterr()
+        assert cli_train(byte_data, tmp_path / "r", *no_budget, f"train.time_budget={other}") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert f"train.time_budget = {other!r} but checkpoint" in err[0], err[0]
+        assert "trained under train.time_budget = '6s'" in err[0], err[0]
+        assert "rerun with --train.time_budget=6s, or start a new run.dir" in err[0], err[0]
+        assert contents(tmp_path / "r") == before
+    assert cli_train(byte_data, tmp_path / "r", *no_budget, "train.time_budget=0.1m") == 0
+    run(byte_data, tmp_path / "steps", "train.max_steps=2", *no_budget[1:])
+    before = contents(tmp_path / "steps")
+    capsys.readouterr()
+    assert cli_train(byte_data, tmp_path / "steps", *no_budget, "train.time_budget=6s") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trained under no train.time_budget (its lr followed steps)" in err[0]
+    assert "rerun with no train.time_budget, or start a new run.dir" in err[0], err[0]
+    assert contents(tmp_path / "steps") == before
 
 
 @pytest.mark.slow

@@ -75,6 +75,9 @@ class DataConfig:
         check(self.stride >= 0, f"data.stride = {self.stride} must be >= 0 (0 means seq_len)")
 
 
+MIN_BUDGET_S = 1.0  # train.time_budget's floor: below it not even a step of a tiny model fits
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     micro_batch_size: int | str = opt(
@@ -87,7 +90,7 @@ class TrainConfig:
     max_steps: int = opt(200, "optimizer steps to train")
     time_budget: str = opt(
         "",
-        "training time to stop at (90s, 10m, 2h; start-up, compilation, evaluation, saves excluded); the lr schedule follows it; max_steps still caps. Empty: off",
+        "training time to stop at (90s, 10m, 2h; at least 1s; start-up, compilation, evaluation, saves excluded); the lr schedule follows it; max_steps still caps; a resumed run keeps its budget. Empty: off",
     )
     dtype: str = opt(
         "auto",
@@ -146,9 +149,14 @@ class TrainConfig:
         mb = self.micro_batch_size
         check(mb == "auto" or mb >= 1, f"train.micro_batch_size = {mb} must be >= 1 or auto")
         check(self.max_skips >= 1, f"train.max_skips = {self.max_skips} must be >= 1")
+        budget = duration_s(self.time_budget) if self.time_budget else MIN_BUDGET_S
         check(
-            not self.time_budget or duration_s(self.time_budget) is not None,
+            budget is not None,
             f"train.time_budget = {self.time_budget!r} is not a duration; write it as 90s, 10m or 2h",
+        )
+        check(
+            budget >= MIN_BUDGET_S,
+            f"train.time_budget = {self.time_budget!r} is under {MIN_BUDGET_S:g}s, too short to train a step; give at least {MIN_BUDGET_S:g}s, e.g. 90s, 10m or 2h",
         )
         check(
             self.spike_window >= 2,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import tomllib
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -139,6 +140,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
     ckpt, warnings = plan.path, list(plan.warnings)
     saved = dist.from_main(info, lambda: checkpoint.load_meta(ckpt)) if ckpt else {}
     _check_tokenizer(dataset, data_dir, ckpt, saved)
+    _check_budget(cfg.train.time_budget, ckpt, saved)
     run = _build(cfg, info, dataset, ckpt, saved, options, background)
     _restore(run, cfg.train.seed, saved)
     if info.is_main:
@@ -172,6 +174,24 @@ def _check_tokenizer(dataset: Dataset, data_dir, ckpt, saved: dict) -> None:
         raise UserError(
             f"data in {data_dir} uses tokenizer {tok.get('name')!r} but checkpoint {ckpt} was trained with {saved_tok.get('name')!r}; use the same data.dir/data.tokenizer or a new run.dir"
         )
+
+
+def _check_budget(budget: str, ckpt, saved: dict) -> None:
+    """A resumed run keeps the train.time_budget its checkpoint was trained under: the lr
+    schedule is read at the share of the budget spent, so another budget would move it back or
+    forward at once. (A checkpoint whose meta.json has no config is not checked.)"""
+    try:
+        old = tomllib.loads(saved["config"]).get("train", {}).get("time_budget", "")
+    except (KeyError, TypeError, tomllib.TOMLDecodeError):
+        return
+    was, now = duration_s(old) if old else None, duration_s(budget) if budget else None
+    if ckpt is None or was == now or (was and now and math.isclose(was, now, rel_tol=1e-9)):
+        return
+    said = f"train.time_budget = {old!r}" if old else "no train.time_budget (its lr followed steps)"
+    fix = f"--train.time_budget={old}" if old else "no train.time_budget"
+    raise UserError(
+        f"train.time_budget = {budget!r} but checkpoint {ckpt} was trained under {said}: its lr schedule would jump; rerun with {fix}, or start a new run.dir"
+    )
 
 
 def _build(
