@@ -6,9 +6,12 @@ subprocesses (two CPU slots here); bad input."""
 import dataclasses
 import json
 import math
+import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import forked
@@ -345,6 +348,109 @@ def test_a_race_trains_from_its_plan_and_refuses_a_config_file_edited_since(
     (tmp_path / "debug.toml").write_text(original)
     assert cli(race_args(mine, out, byte_data)) == 0  # restored: the race is whole
     assert json.loads((out / "race.json").read_text())["runs"][2]["status"] == "done"
+
+
+@pytest.fixture
+def sigterm_kept():
+    """The test process's SIGTERM handler as it was (a run stopped in-process leaves it ignored)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_run_ending_without_its_summary_is_run_once_more_and_a_signalled_one_stops_the_race(
+    configs, byte_data, tmp_path, monkeypatch, capsys, sigterm_kept
+):
+    """seed 1 ends without summary.json and without a signal (as when killed after its last
+    checkpoint): it runs once more, which finishes it (here: its summary put back, as gptrain
+    train's own finish writes it). seed 2 gets SIGTERM at step 6: it saves, and the race stops
+    without running it again. A run that twice ends so stops the race after the second time."""
+    from gptrain.training.meter import Meter
+
+    out, calls, report, in_process = tmp_path / "race", [], Meter.report, race_cmd._train_in_process
+    argv = ["race", "--config", configs[0], "--seeds", "2", "--out", str(out)]
+    argv += [f"--data.dir={byte_data}", *FAST]
+
+    def train(argv_run):
+        run_dir = argv_run[-1].split("=", 1)[1]
+        calls.append(run_dir.rsplit("/", 1)[1])
+        summary = out / "debug" / "seed_1" / "summary.json"
+        if calls == ["seed_1", "seed_1"]:  # the second start finishes what the first did not
+            (out / "summary.kept").rename(summary)
+            return 0
+        code = in_process(argv_run)
+        if calls == ["seed_1"]:
+            summary.rename(out / "summary.kept")
+        return code
+
+    def report_or_signal(self, step, m):
+        if calls[-1] == "seed_2" and step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        report(self, step, m)
+
+    monkeypatch.setattr(race_cmd, "_train_in_process", train)
+    monkeypatch.setattr(Meter, "report", report_or_signal)
+    assert cli(argv) == 0
+    err = capsys.readouterr().err
+    assert calls == ["seed_1", "seed_1", "seed_2"] and not (out / "race.json").exists()
+    assert "seed_1 ended without summary.json (not by a signal): running it once more" in err
+    assert "seed_2 was stopped by a signal" in err
+    assert attempts.outcome(attempts.read(out / "debug" / "seed_2")[-1]) == "preempted"
+
+    calls.clear()  # a run that never writes its summary: run twice, then the race stops
+    monkeypatch.setattr(race_cmd, "_train_in_process", lambda a: calls.append(a) or 0)
+    argv[argv.index("--out") + 1] = str(tmp_path / "another")
+    assert cli(argv) == 0 and len(calls) == 2
+    assert "ended twice without writing summary.json" in capsys.readouterr().err
+
+
+def test_a_signal_to_a_race_on_several_gpus_stops_its_runs_in_progress(
+    configs, byte_data, tmp_path, monkeypatch, capsys, sigterm_kept
+):
+    """Two slots on this CPU; once both runs have a checkpoint the race gets SIGTERM: it passes
+    it on, both runs save and exit (preempted, no summary), and the race stops (exit 0)."""
+    out, procs, signalled = tmp_path / "race", [], []
+    got = []  # without the race's own handler, the signal lands here (the test goes on)
+    signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+
+    def popen(*a, **k):
+        procs.append(forked.Popen(*a, **k))
+        return procs[-1]
+
+    def sleep(s):
+        runs = [out / "debug" / f"seed_{k}" / "checkpoints" / "latest" for k in (1, 2)]
+        if not signalled and all(r.exists() for r in runs):
+            signalled.append(os.kill(os.getpid(), signal.SIGTERM))
+        time.sleep(s)
+
+    monkeypatch.setattr(race_cmd, "gpu_slots", lambda cfgs: ["", ""])
+    fake = SimpleNamespace(
+        Popen=popen, STDOUT=subprocess.STDOUT, TimeoutExpired=subprocess.TimeoutExpired
+    )
+    monkeypatch.setattr(race_cmd, "subprocess", fake)
+    monkeypatch.setattr(race_cmd, "time", SimpleNamespace(sleep=sleep, monotonic=time.monotonic))
+    argv = ["race", "--config", configs[0], "--seeds", "2", "--out", str(out)]
+    argv += [f"--data.dir={byte_data}", *FAST, "--train.max_steps=100"]
+    assert cli(argv) == 0
+    assert signalled and "stopped by SIGTERM" in capsys.readouterr().err
+    assert len(procs) == 2 and all(p.poll() == 0 for p in procs)
+    for k in (1, 2):
+        run = attempts.read(out / "debug" / f"seed_{k}")[-1]
+        assert attempts.outcome(run) == "preempted" and run["end"]["step"] < 100
+
+
+def test_a_run_that_ignores_the_passed_on_signal_is_killed_after_the_wait(
+    tmp_path, monkeypatch, capsys
+):
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    job = race_plan.Job("debug", 1, tmp_path / "seed_1", ())
+    monkeypatch.setattr(race_cmd, "STOP_WAIT_S", 0.5)
+    t0 = time.monotonic()
+    race_cmd._stop([(job, proc, open(tmp_path / "log", "w"))], signal.SIGTERM)
+    assert proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 30
+    assert "did not stop within 0.5 s of SIGTERM: killed" in capsys.readouterr().err
 
 
 def test_a_second_race_into_the_same_folder_is_refused_while_the_first_runs(

@@ -31,8 +31,10 @@ import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +57,9 @@ from gptrain.errors import UserError, first_line
 from gptrain.logs.plot import read_metrics
 from gptrain.logs.race import analyse, curve_from_metrics
 from gptrain.logs.race_report import markdown_table, plot_race
+from gptrain.training import attempts
+
+STOP_WAIT_S = 120.0  # how long a stopped race waits for its runs in progress to save and exit
 
 
 class Stopped(Exception):
@@ -93,60 +98,141 @@ def gpu_slots(cfgs: list[Config]) -> list[str | None]:
 
 
 def run_all(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[Job, int]:
-    """Each job's exit code. A run stopped by Ctrl-C stops the race (KeyboardInterrupt)."""
-    if slots == [None]:
-        codes = {}
-        for n, job in enumerate(jobs, 1):
-            print(
-                f"race: run {n}/{len(jobs)}: {job.label} seed {job.seed} -> {job.run_dir}",
-                file=sys.stderr,
-            )
-            try:
-                codes[job] = _train_in_process(list(job.argv))
-            except (UserError, KeyboardInterrupt):
-                raise
-            except Exception as e:  # a bug or a crash in one run: recorded, the race goes on
-                print(f"race: {job.run_dir} failed: {first_line(e)}", file=sys.stderr)
-                codes[job] = 1
-            if codes[job] == 130:
-                raise KeyboardInterrupt
-            if codes[job] == 0 and not (job.run_dir / "summary.json").is_file():
-                raise Stopped(
-                    f"{job.run_dir} was stopped by a signal (its checkpoint is saved); run the same command to continue the race"
-                )
-        return codes
-    return _run_parallel(jobs, slots, logs)
+    """Each job's exit code. A run stopped by a signal stops the race (Stopped; Ctrl-C:
+    KeyboardInterrupt), to continue next time."""
+    if slots != [None]:
+        return _run_parallel(jobs, slots, logs)
+    codes = {}
+    for n, job in enumerate(jobs, 1):
+        print(
+            f"race: run {n}/{len(jobs)}: {job.label} seed {job.seed} -> {job.run_dir}",
+            file=sys.stderr,
+        )
+        codes[job] = _run_in_process(job)
+    return codes
+
+
+def _run_in_process(job: Job) -> int:
+    """One run's exit code; a run that ends without summary.json and without a signal (killed
+    after its last checkpoint, before its summary) is run once more, which finishes it."""
+    again = False
+    while True:
+        try:
+            code = _train_in_process(list(job.argv))
+        except (UserError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # a bug or a crash in one run: recorded, the race goes on
+            print(f"race: {job.run_dir} failed: {first_line(e)}", file=sys.stderr)
+            return 1
+        if code == 130:
+            raise KeyboardInterrupt
+        if not unfinished(job, code, again):
+            return code
+        again = True
+
+
+def unfinished(job: Job, code: int, again: bool) -> bool:
+    """Whether a run that exited with `code` is to run once more: it exited 0 without writing
+    summary.json, not stopped by a signal, for the first time. Stopped by a signal, or for the
+    second time: Stopped (the race stops, to continue next time)."""
+    if code != 0 or (job.run_dir / "summary.json").is_file():
+        return False
+    runs = attempts.read(job.run_dir)
+    if runs and attempts.outcome(runs[-1]) in ("preempted", "interrupted"):
+        raise Stopped(
+            f"{job.run_dir} was stopped by a signal (its checkpoint is saved); run the same command to continue the race"
+        )
+    if again:
+        raise Stopped(
+            f"{job.run_dir} ended twice without writing summary.json, not stopped by a signal; see its train.log, then run the same command to continue the race"
+        )
+    print(
+        f"race: {job.run_dir} ended without summary.json (not by a signal): running it once more to finish it",
+        file=sys.stderr,
+    )
+    return True
 
 
 def _run_parallel(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[Job, int]:
-    """One `python -m gptrain train` subprocess per slot at a time; output in OUT/logs/."""
+    """One `python -m gptrain train` subprocess per slot at a time; output in OUT/logs/. SIGTERM
+    or SIGINT to the race is passed on to the runs in progress (each saves and stops), which are
+    waited for (STOP_WAIT_S at most, then killed) before the race stops."""
     logs.mkdir(parents=True, exist_ok=True)
     pending, running, codes = list(jobs), {}, {}  # running: slot index -> (job, process, log)
-    try:
-        while pending or running:
-            for i in [i for i in range(len(slots)) if i not in running and pending]:
-                job = pending.pop(0)
-                env = {**os.environ, "CUDA_VISIBLE_DEVICES": slots[i]}
-                log = open(logs / f"{job.label}_seed_{job.seed}.log", "a")
-                cmd = [sys.executable, "-m", "gptrain", "train", *job.argv]
-                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-                running[i] = (job, proc, log)
-                print(
-                    f"race: GPU {slots[i]}: {job.label} seed {job.seed} -> {job.run_dir}",
-                    file=sys.stderr,
-                )
-            for i, (job, proc, log) in list(running.items()):
-                if proc.poll() is not None:
+    again: set[Job] = set()  # runs started a second time (unfinished, see `unfinished`)
+    received: list[int] = []
+    with _signals_noted(received):
+        try:
+            while (pending or running) and not received:
+                for i in [i for i in range(len(slots)) if i not in running and pending]:
+                    running[i] = _start(pending.pop(0), slots[i], logs)
+                for i, (job, proc, log) in list(running.items()):
+                    if proc.poll() is None:
+                        continue
                     log.close()
-                    codes[job] = proc.returncode
                     del running[i]
-            time.sleep(0.2)
-    finally:
-        for _job, proc, log in running.values():  # stopped: these runs resume next time
-            proc.terminate()
-            proc.wait()
-            log.close()
+                    if unfinished(job, proc.returncode, job in again):
+                        again.add(job)
+                        pending.insert(0, job)
+                    else:
+                        codes[job] = proc.returncode
+                time.sleep(0.2)
+        finally:  # stopped: these runs resume next time
+            _stop(running.values(), received[0] if received else signal.SIGTERM)
+    if received and received[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    if received:
+        raise Stopped(
+            f"stopped by {signal.Signals(received[0]).name}: the runs in progress were passed the signal and have stopped; run the same command to continue the race"
+        )
     return codes
+
+
+def _start(job: Job, slot: str | None, logs: Path) -> tuple:
+    """A run as its own process (its own session: a signal reaches it through the race only)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": slot}
+    log = open(logs / f"{job.label}_seed_{job.seed}.log", "a")
+    cmd = [sys.executable, "-m", "gptrain", "train", *job.argv]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    print(f"race: GPU {slot}: {job.label} seed {job.seed} -> {job.run_dir}", file=sys.stderr)
+    return job, proc, log
+
+
+@contextlib.contextmanager
+def _signals_noted(received: list[int]):
+    """SIGTERM and SIGINT only noted in `received` inside the block (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda signum, _: received.append(signum)) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop(running, sig: int) -> None:
+    """Pass `sig` on to each run in progress and wait for all, STOP_WAIT_S in all; a run still
+    going then is killed (it resumes from its newest checkpoint)."""
+    running = list(running)
+    for _job, proc, _log in running:
+        proc.send_signal(sig)
+    deadline = time.monotonic() + STOP_WAIT_S
+    for job, proc, log in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(
+                f"race: {job.run_dir} did not stop within {STOP_WAIT_S:g} s of {signal.Signals(sig).name}: killed; it resumes from its newest checkpoint",
+                file=sys.stderr,
+            )
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 def flops_per_token(cfg: Config) -> float:
