@@ -85,7 +85,7 @@ ARMS = {
     "baseline": Arm(
         "configs/study_baseline.toml",
         (
-            Axis("lr", 4e-3, 2.0),
+            Axis("lr", 8e-3, 2.0),
             Axis("warmup_share", 0.05, 0.05, "lin", 0.0, 0.5),
             Axis("weight_decay", 0.1, 0.0, "cat", choices=(0.0, 0.1)),
             Axis("final_lr_ratio", 0.1, 0.1, "lin", 0.0, 1.0),
@@ -95,13 +95,13 @@ ARMS = {
         "configs/study_recipe.toml",
         (
             Axis("muon_lr", 0.02, 2.0),
-            Axis("lr", 4e-3, 2.0),
+            Axis("lr", 8e-3, 2.0),
             Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0),
         ),
     ),
     "ablation": Arm(
         "configs/study_ablation.toml",
-        (Axis("lr", 4e-3, 2.0), Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0)),
+        (Axis("lr", 8e-3, 2.0), Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0)),
     ),
 }
 

@@ -1,0 +1,356 @@
+"""The token-efficiency study (docs/study.md): the recipe (Muon + wsd), its ablation (AdamW + wsd)
+and llm.c's AdamW baseline, tuned alike, raced on two corpora at two sizes and two horizons.
+
+    python benchmarks/study.py plan      # the cells, their runs and the projected hours
+    python benchmarks/study.py measure   # tokens/s of each size on this machine (~10 s each)
+    python benchmarks/study.py run       # data, tuning, races: resumable, run it again after a stop
+    python benchmarks/study.py report    # each race's table, and where its race.json is
+
+Options: --out DIR (default studies/main), --corpora prose,code, --stages data,tune,race,
+--seeds 3, --ladder 1,1.5,2,3, --budget 16 (tuning trials per arm), --cap 4.
+
+The cells, in the order they run (cheapest first, so that a study stopped part-way has whole
+cells): for each corpus, the small model at ~20 tokens per parameter in its blocks (compute-
+optimal), the large one at ~20, the small one at ~80 (4x). Each cell is one race:
+
+    gptrain race --config baseline.toml --config recipe.toml --config ablation.toml
+        --seeds 3 --ladder 1,1.5,2,3 --out OUT/races/<corpus>-<size>-<horizon>
+
+with the three configs written to OUT/configs/<cell>/ from configs/study_*.toml, the cell's size
+and steps, and the arm's best point of benchmarks/tune.py on the corpus's tuning split (the small
+model at 1x). The ladder trains the baseline at 1, 1.5, 2 and 3 times its steps, so the race can
+say how many times the baseline's tokens the recipe's loss is worth, with an interval.
+
+Every stage resumes itself (tuning trials and race runs are run directories); `run` again
+after any stop continues where it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tune  # noqa: E402
+
+from gptrain.cache import atomic_write_bytes  # noqa: E402
+from gptrain.config.load import load_config, to_toml  # noqa: E402
+from gptrain.errors import UserError, first_line  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path("data/study")
+BASE = REPO / "configs/study_baseline.toml"  # the batch, the evaluation: every arm's the same
+TOKENS_PER_PARAM = 20  # compute-optimal (Hoffmann et al.), counted on the blocks' parameters
+EVALS = 10  # evaluations per run at 1x (and at the end)
+EVAL_COST = 1 / 3  # an evaluated token's time / a trained token's (forward only), an estimate
+ARMS = ("baseline", "recipe", "ablation")
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+
+    @property
+    def block_params(self) -> int:
+        """Weights and biases of the blocks: attention 4d^2 + 4d, MLP 8d^2 + 5d, LayerNorms 4d."""
+        d = self.n_embd
+        return self.n_layer * (12 * d * d + 13 * d)
+
+    def overrides(self) -> list[str]:
+        return [f"model.n_layer={self.n_layer}", f"model.n_embd={self.n_embd}",
+                f"model.n_head={self.n_head}"]  # fmt: skip
+
+
+SIZES = {"small": Size("small", 4, 32, 2), "large": Size("large", 4, 64, 4)}  # head size 16
+
+
+def batch_tokens() -> int:
+    return load_config(str(BASE)).train.total_batch_size
+
+
+@dataclass(frozen=True)
+class Cell:
+    corpus: str
+    size: Size
+    horizon: int  # x the compute-optimal tokens
+
+    @property
+    def name(self) -> str:
+        return f"{self.corpus}-{self.size.name}-{self.horizon}x"
+
+    @property
+    def steps(self) -> int:
+        return round(self.horizon * TOKENS_PER_PARAM * self.size.block_params / batch_tokens())
+
+    def overrides(self, data_dir: Path) -> list[str]:
+        every = max(1, self.steps // EVALS)
+        return [f"data.dir={data_dir}", *self.size.overrides(), f"train.max_steps={self.steps}",
+                f"eval.every={every}", f"checkpoint.every={max(every, self.steps // 4)}"]  # fmt: skip
+
+
+def cells(corpora: list[str]) -> list[Cell]:
+    order = [("small", 1), ("large", 1), ("small", 4)]
+    return [Cell(c, SIZES[s], h) for s, h in order for c in corpora]
+
+
+def tune_cell(corpus: str) -> Cell:
+    return Cell(corpus, SIZES["small"], 1)
+
+
+def run_seconds(cell: Cell, tok_s: float, multiple: float = 1.0) -> float:
+    """One run's projected seconds: training plus its evaluations (eval.tokens each)."""
+    tokens = cell.steps * multiple * batch_tokens()
+    evals = int(cell.steps * multiple) // max(1, cell.steps // EVALS) + 1
+    eval_tokens = load_config(str(BASE)).eval.tokens
+    return (tokens + evals * eval_tokens * EVAL_COST) / tok_s
+
+
+def plan_rows(args, tok_s: dict[str, float]) -> list[dict]:
+    """Each stage's runs and projected hours at the measured tokens/s."""
+    rows, ladder = [], [float(m) for m in args.ladder.split(",")]
+    for corpus in args.corpora:
+        cell = tune_cell(corpus)
+        n = len(ARMS) * args.budget
+        s = n * run_seconds(cell, tok_s[cell.size.name]) if cell.size.name in tok_s else None
+        rows.append({"stage": "tune", "cell": cell, "runs": f"{n} (+ up to {len(ARMS) * args.cap})", "s": s})  # fmt: skip
+    for cell in cells(args.corpora):
+        runs = args.seeds * (len(ladder) + len(ARMS) - 1)
+        s = None
+        if cell.size.name in tok_s:
+            per_seed = sum(run_seconds(cell, tok_s[cell.size.name], m) for m in ladder)
+            per_seed += (len(ARMS) - 1) * run_seconds(cell, tok_s[cell.size.name])
+            s = args.seeds * per_seed
+        rows.append({"stage": "race", "cell": cell, "runs": str(runs), "s": s})
+    return rows
+
+
+def plan(args) -> int:
+    measured = read_throughput(args.out)
+    tok_s = {k: v["tok_per_s"] for k, v in measured.get("sizes", {}).items()}
+    print("| stage | cell | blocks' params | tokens per run (1x) | runs | projected hours |")
+    print("|---|---|---:|---:|---:|---:|")
+    total = 0.0
+    for row in plan_rows(args, tok_s):
+        c = row["cell"]
+        hours = "not measured" if row["s"] is None else f"{row['s'] / 3600:.2f}"
+        total += row["s"] or 0.0
+        print(f"| {row['stage']} | {c.name} | {c.size.block_params:,} | {c.steps * batch_tokens():,} | {row['runs']} | {hours} |")  # fmt: skip
+    if tok_s:
+        where = measured["machine"]
+        print(f"\nprojected total: {total / 3600:.1f} hours on {where} (tokens/s: "
+              + ", ".join(f"{k} {v:,.0f}" for k, v in tok_s.items()) + ")")  # fmt: skip
+    else:
+        print(
+            f"\nno tokens/s measured yet: run `python benchmarks/study.py measure --out {args.out}`"
+        )
+    return 0
+
+
+def read_throughput(out: Path) -> dict:
+    path = out / "throughput.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def steady_rate(run_dir: Path) -> dict:
+    """Tokens/s of a run's steps after its first two (whose kernels are still being set up)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train_s" in r and "tokens" in r]
+    if not rows:
+        raise UserError(f"{run_dir}/metrics.jsonl has no step: the run was too short; use --seconds 30")  # fmt: skip
+    first = rows[min(2, len(rows) - 2)] if len(rows) >= 2 else {"tokens": 0, "train_s": 0.0}
+    tokens, seconds = rows[-1]["tokens"] - first["tokens"], rows[-1]["train_s"] - first["train_s"]
+    return {"tok_per_s": tokens / seconds, "tokens": tokens, "train_s": seconds, "steps": len(rows)}
+
+
+def measure(args) -> int:
+    """Each size's training tokens/s over ~`seconds` of a baseline run (after start-up)."""
+    data = args.data_dir or str(DATA / f"{args.corpora[0]}-tune")
+    if not Path(data, "manifest.json").is_file():
+        raise UserError(f"{data} is not prepared; run python benchmarks/study_data.py first (or pass --data-dir)")  # fmt: skip
+    sizes, load = {}, os.getloadavg()[0]
+    for size in SIZES.values():
+        run_dir = args.out / "measure" / size.name
+        cmd = [sys.executable, "-m", "gptrain", "train", "--config", str(BASE)]  # fmt: skip
+        cmd += [f"--{o}" for o in size.overrides()] + [f"--data.dir={data}", f"--run.dir={run_dir}"]
+        cmd += [f"--train.time_budget={args.seconds}s", "--train.max_steps=100000"]
+        cmd += ["--eval.every=0", "--eval.tokens=8192", "--checkpoint.every=0", "--log.every=1"]
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: no resume of an earlier one
+        if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
+            raise UserError(f"the measuring run {run_dir} failed (its output is above)")
+        sizes[size.name] = steady_rate(run_dir)
+        print(f"study: {size.name}: {sizes[size.name]['tok_per_s']:,.0f} tok/s", file=sys.stderr)
+    record = {
+        "machine": machine(),
+        "date": datetime.date.today().isoformat(),
+        "load_average_before": load,
+        "load_average_after": os.getloadavg()[0],
+        "sizes": sizes,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(args.out / "throughput.json", json.dumps(record, indent=1).encode())
+    return plan(args)
+
+
+def prepare_data(args) -> None:
+    """The corpora's prepared folders, by benchmarks/study_data.py when one is missing."""
+    want = [args.data / f"{c}{s}" / "manifest.json" for c in args.corpora for s in ("", "-tune")]
+    if all(p.is_file() for p in want):
+        return
+    cmd = [sys.executable, str(REPO / "benchmarks/study_data.py"), "--out", str(args.data)]
+    if subprocess.run(cmd).returncode != 0:
+        raise UserError("benchmarks/study_data.py failed (its line is above); fix it and run again")
+
+
+def tuned(args, corpus: str) -> dict[str, dict[str, float]]:
+    """Each arm's best point from the corpus's finished tuning."""
+    path = args.out / "tuning" / corpus / "tune.json"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    if not report.get("complete"):
+        raise UserError(
+            f"{path}: the tuning of {corpus} has not finished; run the tune stage first"
+        )
+    return {arm: report["arms"][arm]["best"]["point"] for arm in ARMS}
+
+
+def run_tuning(args, corpus: str) -> None:
+    cell = tune_cell(corpus)
+    cmd = [sys.executable, str(REPO / "benchmarks/tune.py"), "--out", str(args.out / "tuning" / corpus)]  # fmt: skip
+    cmd += ["--budget", str(args.budget), "--cap", str(args.cap)]
+    cmd += [f"--{o}" for o in cell.overrides(args.data / f"{corpus}-tune")]
+    print(f"study: tuning {corpus}: {' '.join(cmd)}", file=sys.stderr)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise UserError(f"the tuning of {corpus} failed (its line is above); fix it and run again")
+    print(done.stdout)
+    tuned(args, corpus)  # a tuning stopped by a signal ends here, to continue next time
+
+
+def cell_configs(args, cell: Cell, points: dict[str, dict[str, float]]) -> list[Path]:
+    """The cell's three configs, written to OUT/configs/<cell>/ (rewritten only when changed)."""
+    folder, paths = args.out / "configs" / cell.name, []
+    for arm in ARMS:
+        spec = tune.ARMS[arm]
+        overrides = cell.overrides(args.data / cell.corpus) + spec.overrides(
+            points[arm], cell.steps
+        )
+        text = f"# {cell.name}, {arm}: written by benchmarks/study.py\n"
+        text += to_toml(load_config(str(REPO / spec.config), overrides))
+        path = folder / f"{arm}.toml"
+        if not path.is_file() or path.read_text() != text:
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, text.encode())
+        paths.append(path)
+    return paths
+
+
+def race_has_ladder() -> bool:
+    cmd = [sys.executable, "-m", "gptrain", "race", "--help"]
+    return "--ladder" in subprocess.run(cmd, capture_output=True, text=True).stdout
+
+
+def run_race(args, cell: Cell) -> bool:
+    """The cell's race; its table in OUT/races/<cell>/table.md. False when it was stopped."""
+    out = args.out / "races" / cell.name
+    cmd = [sys.executable, "-m", "gptrain", "race"]
+    for path in cell_configs(args, cell, tuned(args, cell.corpus)):
+        cmd += ["--config", str(path)]
+    cmd += ["--seeds", str(args.seeds), "--ladder", args.ladder, "--out", str(out)]
+    print(f"study: race {cell.name}: {' '.join(cmd)}", file=sys.stderr)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise UserError(f"the race {out} failed (its line is above); fix it and run again")
+    if not done.stdout.strip():
+        return False
+    atomic_write_bytes(out / "table.md", done.stdout.encode())
+    print(f"\n## {cell.name}\n\n{done.stdout}")
+    return True
+
+
+def run(args) -> int:
+    stages = args.stages.split(",")
+    if "data" in stages:
+        prepare_data(args)
+    if "tune" in stages:
+        for corpus in args.corpora:
+            run_tuning(args, corpus)
+    if "race" in stages:
+        if not race_has_ladder():
+            raise UserError(
+                "gptrain race in this checkout has no --ladder; update gptrain, then run the same command"
+            )
+        for cell in cells(args.corpora):
+            if not run_race(args, cell):
+                print("study: a race was stopped; run the same command to continue", file=sys.stderr)  # fmt: skip
+                return 0
+    return report(args)
+
+
+def report(args) -> int:
+    for cell in cells(args.corpora):
+        table = args.out / "races" / cell.name / "table.md"
+        print(f"\n## {cell.name} ({cell.size.block_params:,} parameters in the blocks, {cell.steps * batch_tokens():,} tokens)\n")  # fmt: skip
+        print(table.read_text().strip() if table.is_file() else "not yet run")
+    print(f"\nthe numbers behind each table: {args.out}/races/<cell>/race.json", file=sys.stderr)
+    return 0
+
+
+def parse_args(argv: list[str]):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("action", choices=("plan", "measure", "run", "report"))
+    ap.add_argument("--out", type=Path, default=Path("studies/main"), help="the study's folder")
+    ap.add_argument("--data", type=Path, default=DATA, help="study_data.py's --out")
+    ap.add_argument("--corpora", default="prose,code", help="comma-separated: prose, code")
+    ap.add_argument("--stages", default="data,tune,race", help="run: comma-separated stages")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--ladder", default="1,1.5,2,3", help="the baseline's step multiples")
+    ap.add_argument("--budget", type=int, default=16, help="tuning trials per arm")
+    ap.add_argument("--cap", type=int, default=4, help="extra trials to leave a grid's edge")
+    ap.add_argument("--seconds", type=int, default=15, help="measure: seconds of each run")
+    ap.add_argument("--data-dir", default=None, help="measure: a prepared folder to train on")
+    args = ap.parse_args(argv)
+    args.corpora = args.corpora.split(",")
+    if bad := [c for c in args.corpora if c not in ("prose", "code")]:
+        raise UserError(f"--corpora: unknown {', '.join(bad)}; choose from prose, code")
+    try:
+        [float(m) for m in args.ladder.split(",")]
+    except ValueError:
+        raise UserError(f"--ladder {args.ladder!r}: write multiples as 1,1.5,2,3") from None
+    return args
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parse_args(argv)
+        return {"plan": plan, "measure": measure, "run": run, "report": report}[args.action](args)
+    except UserError as e:
+        print(f"study: {first_line(e)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
