@@ -1,8 +1,12 @@
-"""train.time_budget: the lr schedule follows training time, the run stops inside the budget with
-its final evaluation and checkpoint, and a budget run killed and resumed ends where the
-uninterrupted one does (bit for bit, with a clock that makes every step take 1 s)."""
+"""train.time_budget: the lr schedule, warmup included, follows training time (against the schedule
+computed by hand), and steps when max_steps comes first; the run stops inside the budget with its
+final evaluation and checkpoint; a budget run killed and resumed ends where the uninterrupted one
+does (bit for bit, with a clock that makes every step take 1 s); under DDP the ranks read one
+agreed clock; a budget under 1 s, or another budget than the checkpoint's on resume, is one line,
+exit 2, nothing written."""
 
 import json
+import math
 import shutil
 
 import dist_helpers as h
@@ -13,9 +17,7 @@ from train_helpers import DEBUG, run, weights
 import gptrain.training.state as state_module
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint
-from gptrain.config.sections import OptimConfig
 from gptrain.distributed import faults
-from gptrain.training.optim import cosine_lr
 
 # a budget of 6 s with steps of 1 s: 6 steps, well before max_steps
 COMMON = ["train.max_steps=100", "train.time_budget=6s", "optim.warmup_steps=2", "log.every=1"]
@@ -43,6 +45,15 @@ def lrs(run_dir) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in rows if "lr" in r}
 
 
+def by_hand(x: float, lr: float, min_lr: float, warmup: int, max_steps: int) -> float:
+    """Warmup then cosine, read at point x of max_steps steps (x fractional under a budget)."""
+    if x < warmup:
+        return lr * min(1.0, (x + 1) / warmup)
+    if x >= max_steps - 1:
+        return min_lr
+    return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * (x - warmup) / (max_steps - 1 - warmup))) / 2  # fmt: skip
+
+
 def test_the_schedule_follows_time_and_the_run_stops_inside_the_budget(
     byte_data, tmp_path, step_clock
 ):  # noqa: E501
@@ -50,13 +61,42 @@ def test_the_schedule_follows_time_and_the_run_stops_inside_the_budget(
     assert summary["steps"] == 6 and summary["train_s"] == pytest.approx(6.0)
     assert "val_loss" in summary  # the final evaluation ran
     assert checkpoint.find(tmp_path / "r").name == "step_00000006"
-    # step k (from 1) is trained at the schedule point reached after k - 1 seconds of 6
-    o = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2)
+    # step k (from 1) is trained at the point of the 100-step schedule that k - 1 of 6 s reach
     for k, lr in lrs(tmp_path / "r").items():
-        at = k - 1 if k - 1 < 2 else max(2.0, (k - 1) / 6 * 99)
-        want = cosine_lr(at, lr=o.lr, min_lr=o.min_lr, warmup_steps=2, max_steps=100)
-        assert lr == pytest.approx(want, rel=1e-12), k
-    assert lrs(tmp_path / "r")[6] < 0.2 * o.lr  # deep into the decay by the budget's end
+        assert lr == pytest.approx(by_hand((k - 1) / 6 * 100, 3e-3, 3e-4, 2, 100), rel=1e-12), k
+    assert lrs(tmp_path / "r")[6] < 0.2 * 3e-3  # deep into the decay by the budget's end
+
+
+def test_the_warmup_takes_its_share_of_the_budget(byte_data, tmp_path, step_clock):
+    """warmup_steps = 10 of max_steps = 100 under a 20 s budget (steps of 1 s, 20 of them): the
+    warmup takes 10% of the budget, so the peak comes at 2 s (step 3), though only 20 steps
+    run; then the cosine is read at the share of the budget spent, ending at min_lr with it."""
+    budget = ["train.max_steps=100", "train.time_budget=20s", "optim.warmup_steps=10"]
+    run(byte_data, tmp_path / "r", *COMMON[3:], *budget, "checkpoint.every=0")
+    got = lrs(tmp_path / "r")
+    assert list(got) == list(range(1, 21))
+    assert got[1] == pytest.approx(3e-4) and got[2] == pytest.approx(0.6 * 3e-3)  # x = 0, 5
+    assert got[3] == pytest.approx(3e-3) and max(got.values()) == got[3]  # x = 10: the peak
+    for k, lr in got.items():  # x = (k - 1) / 20 x 100
+        assert lr == pytest.approx(by_hand((k - 1) * 5, 3e-3, 3e-4, 10, 100), rel=1e-12), k
+    assert by_hand(20 / 20 * 100, 3e-3, 3e-4, 10, 100) == 3e-4  # the budget's end: min_lr
+
+
+def test_max_steps_before_the_budget_ends_the_schedule_with_the_steps(
+    byte_data, tmp_path, step_clock
+):
+    """max_steps = 6 under a budget of 6 s (steps of 1 s) or 30 s: both follow the schedule of
+    the run without a budget, ending at min_lr at step 6; the 30 s run says that max_steps came
+    first, the 6 s one (whose budget ends with it) does not."""
+    steps = ["train.max_steps=6", *COMMON[2:]]
+    run(byte_data, tmp_path / "steps", *steps)
+    want = lrs(tmp_path / "steps")
+    assert want[6] == pytest.approx(3e-4)
+    for budget, warned in (("6s", False), ("0.5m", True)):
+        summary = run(byte_data, tmp_path / budget, *steps, f"train.time_budget={budget}")
+        assert summary["steps"] == 6 and lrs(tmp_path / budget) == want, budget
+        line = "warning: train.max_steps = 6 came first, after 6.0 s of train.time_budget = '0.5m': the lr schedule followed the steps to min_lr"  # fmt: skip
+        assert (line in (tmp_path / budget / "train.log").read_text()) == warned, budget
 
 
 def test_a_budget_run_killed_and_resumed_ends_where_the_uninterrupted_one_does(

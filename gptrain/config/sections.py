@@ -90,7 +90,7 @@ class TrainConfig:
     max_steps: int = opt(200, "optimizer steps to train")
     time_budget: str = opt(
         "",
-        "training time to stop at (90s, 10m, 2h; at least 1s; start-up, compilation, evaluation, saves excluded); the lr schedule follows it; max_steps still caps; a resumed run keeps its budget. Empty: off",
+        "training time to stop at (90s, 10m, 2h; at least 1s; no start-up, evals, saves): the whole lr schedule spans it or max_steps, whichever ends first; a resume keeps it. Empty: off",
     )
     dtype: str = opt(
         "auto",

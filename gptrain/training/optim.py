@@ -165,15 +165,17 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, cfg: OptimConfig) -> Non
         group["lr"] = muon_lr if "ns_steps" in group else lr  # only Muon's groups have ns_steps
 
 
-def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """The learning rate of optimizer step `step` under cfg's schedule (see the two below)."""
+def lr_at(step: float, cfg: OptimConfig, max_steps: int) -> float:
+    """The learning rate of optimizer step `step` under cfg's schedule (see the two below); a
+    fractional step (train.time_budget reads the schedule at the share of the budget spent) lies
+    between its neighbours' learning rates."""
     kw = dict(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=max_steps)
     if cfg.lr_schedule == "wsd":
         return wsd_lr(step, decay_fraction=cfg.decay_fraction, **kw)
     return cosine_lr(step, **kw)
 
 
-def _check_args(step: int, warmup_steps: int, max_steps: int) -> None:
+def _check_args(step: float, warmup_steps: int, max_steps: int) -> None:
     if warmup_steps < 0 or max_steps < 1 or step < 0:
         raise ValueError(
             f"need step >= 0, warmup_steps >= 0, max_steps >= 1; got step={step}, "
@@ -181,20 +183,22 @@ def _check_args(step: int, warmup_steps: int, max_steps: int) -> None:
         )
 
 
-def cosine_lr(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
+def cosine_lr(step: float, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
     """Learning rate of optimizer step `step` (counted from 0).
 
-        step < warmup_steps:              lr * (step + 1) / warmup_steps      (linear warmup)
+        step < warmup_steps:              lr * min(1, (step + 1) / warmup_steps)  (linear warmup)
         step >= max_steps - 1:            min_lr                              (end, held after)
         otherwise, with p = (step - warmup_steps) / (max_steps - 1 - warmup_steps) in [0, 1):
                                           min_lr + 0.5 * (1 + cos(pi * p)) * (lr - min_lr)
 
     So the last warmup step and the first cosine step both use the peak lr, and min_lr is
-    reached exactly at step max_steps - 1. warmup_steps may be 0 (start at the peak).
+    reached exactly at step max_steps - 1. warmup_steps may be 0 (start at the peak). The min
+    changes nothing for whole steps; a fractional step between the last warmup step and the first
+    cosine step (train.time_budget) stays at the peak.
     """
     _check_args(step, warmup_steps, max_steps)
     if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
+        return lr * min(1.0, (step + 1) / warmup_steps)
     if step >= max_steps - 1:
         return min_lr
     progress = (step - warmup_steps) / (max_steps - 1 - warmup_steps)
@@ -202,29 +206,36 @@ def cosine_lr(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_ste
 
 
 def wsd_lr(
-    step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay_fraction: float
+    step: float,
+    *,
+    lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    max_steps: int,
+    decay_fraction: float,
 ) -> float:
     """Warmup, stable, decay: learning rate of optimizer step `step` (counted from 0).
 
     With n = max(1, round(decay_fraction * max_steps)) decay steps starting at
     d = max(warmup_steps, max_steps - n) (the decay never eats into the warmup):
 
-        step < warmup_steps:      lr * (step + 1) / warmup_steps           (linear warmup)
+        step < warmup_steps:      lr * min(1, (step + 1) / warmup_steps)   (linear warmup)
         warmup_steps <= step < d: lr                                       (stable)
         d <= step < max_steps:    lr + (min_lr - lr) * (step - d + 1) / (max_steps - d)
         step >= max_steps:        min_lr                                   (held)
 
     So step d - 1 is the last at the peak, the decay is linear, and step max_steps - 1 (the last
-    step) uses min_lr, as in cosine_lr.
+    step) uses min_lr, as in cosine_lr. Read between whole steps (train.time_budget), the lr is
+    continuous: the decay line runs from step d - 1 (peak) to step max_steps - 1 (min_lr).
     """
     _check_args(step, warmup_steps, max_steps)
     if not 0 < decay_fraction <= 1:
         raise ValueError(f"decay_fraction must be in (0, 1], got {decay_fraction}")
     if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
+        return lr * min(1.0, (step + 1) / warmup_steps)
     if step >= max_steps - 1:
         return min_lr
     start = max(warmup_steps, max_steps - max(1, round(decay_fraction * max_steps)))
-    if step < start:
+    if step <= start - 1:  # (for whole steps: step < start; between steps, continuous)
         return lr
     return lr + (min_lr - lr) * (step - start + 1) / (max_steps - start)

@@ -101,7 +101,7 @@ class Run:
         """This step's learning rate, set on the optimizer: the schedule read at the step, or
         with train.time_budget at the further along of the step and the share of the budget
         spent (TrainState.schedule_step; the training time is agreed by every rank)."""
-        lr = lr_at(self.state.schedule_step(o.warmup_steps, max_steps, budget_s), o, max_steps)
+        lr = lr_at(self.state.schedule_step(max_steps, budget_s), o, max_steps)
         set_lr(self.optimizer, lr, o)
         return lr
 
@@ -365,6 +365,12 @@ def finish(run: Run, cfg: Config) -> dict:
             if "val_loss" in val
             else ""
         )
+        budget_s = duration_s(cfg.train.time_budget)
+        if budget_s and state.step >= cfg.train.max_steps and not state.out_of_time(budget_s):
+            run.logger.text(
+                f"warning: train.max_steps = {cfg.train.max_steps} came first, after {state.train_s:.1f} s of train.time_budget = {cfg.train.time_budget!r}: "
+                "the lr schedule followed the steps to min_lr; raise train.max_steps for the budget to end the run"
+            )
         run.logger.text(
             f"done: {state.step} steps, {state.tokens:,} tokens in {format_duration(total)}; train loss {loss:.4f}"
             f"{vals}; {tok_per_s:,.0f} tok/s, MFU {mfu:.1%}; plot {plot_path}"

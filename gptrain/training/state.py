@@ -81,12 +81,14 @@ class TrainState:
         *agreed, self.train_s, self._last_step_s = values.tolist()
         return tuple(bool(f) for f in agreed)
 
-    def schedule_step(self, warmup_steps: int, max_steps: int, budget_s: float | None) -> float:
-        """The step the lr schedule is read at: the step itself, or with a time budget, after the
-        warmup, the point of the schedule that the training time has reached."""
-        if budget_s is None or self.step < warmup_steps:
+    def schedule_step(self, max_steps: int, budget_s: float | None) -> float:
+        """The point (in steps) the lr schedule is read at: the step itself; with a time budget,
+        the further along of the step and the share of the budget spent times max_steps. So the
+        whole schedule, warmup included, is stretched over the budget (step k of a run without
+        one at k / max_steps of it), and it ends with whichever limit comes first."""
+        if budget_s is None:
             return self.step
-        return max(float(warmup_steps), min(1.0, self.train_s / budget_s) * (max_steps - 1))
+        return max(float(self.step), min(1.0, self.train_s / budget_s) * max_steps)
 
     def out_of_time(self, budget_s: float | None) -> bool:
         """Would one more step like the last one end past the budget?"""
