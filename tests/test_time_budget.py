@@ -8,6 +8,7 @@ exit 2, nothing written."""
 import json
 import math
 import shutil
+from itertools import pairwise
 
 import dist_helpers as h
 import pytest
@@ -17,7 +18,9 @@ from train_helpers import DEBUG, run, weights
 import gptrain.training.state as state_module
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint
+from gptrain.config.sections import OptimConfig
 from gptrain.distributed import faults
+from gptrain.training.optim import lr_at
 
 # a budget of 6 s with steps of 1 s: 6 steps, well before max_steps
 COMMON = ["train.max_steps=100", "train.time_budget=6s", "optim.warmup_steps=2", "log.every=1"]
@@ -80,6 +83,19 @@ def test_the_warmup_takes_its_share_of_the_budget(byte_data, tmp_path, step_cloc
     for k, lr in got.items():  # x = (k - 1) / 20 x 100
         assert lr == pytest.approx(by_hand((k - 1) * 5, 3e-3, 3e-4, 10, 100), rel=1e-12), k
     assert by_hand(20 / 20 * 100, 3e-3, 3e-4, 10, 100) == 3e-4  # the budget's end: min_lr
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_the_schedule_read_between_steps_is_continuous_and_never_above_the_peak(schedule):
+    """A budget reads the schedule at fractional steps: on a grid of 1/100 step, no change is
+    larger than 1/100 of the largest change between whole steps (no jump at the end of the
+    warmup or the start of the decay), and the lr never exceeds the peak."""
+    o = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=4, lr_schedule=schedule, decay_fraction=0.5)
+    whole = [lr_at(k, o, 20) for k in range(21)]
+    fine = [lr_at(k / 100, o, 20) for k in range(2001)]
+    step = max(abs(a - b) for a, b in pairwise(whole))
+    assert max(abs(a - b) for a, b in pairwise(fine)) <= step / 100 * (1 + 1e-9)
+    assert max(fine) == pytest.approx(3e-3, rel=1e-15) and fine[::100] == whole
 
 
 def test_max_steps_before_the_budget_ends_the_schedule_with_the_steps(
