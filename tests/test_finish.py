@@ -33,9 +33,12 @@ def rows(run_dir) -> list[dict]:
 
 
 def summary(run_dir, clock=SUMMARY_CLOCK) -> dict:
-    """summary.json without its wall-clock numbers (the speed choices' start-up seconds too)."""
+    """summary.json without its wall-clock numbers; of the speed choices only what was chosen
+    (how and in what time are the last attempt's: a resumed one keeps the checkpoint's)."""
     s = without(json.loads((run_dir / "summary.json").read_text()), clock)
-    s["speed_choices"] = without(s["speed_choices"], {"seconds"})
+    s["speed_choices"] = {
+        k: v for k, v in s["speed_choices"].items() if v is None or isinstance(v, str)
+    }
     return s
 
 

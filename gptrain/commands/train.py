@@ -87,7 +87,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption
                 step, last_step, state.out_of_time(budget_s), preemption
             )
             evals = evaluator.due(step, last_step)
-            log = meter.due(step, last_step) or bool(evals)
+            log = meter.due(step, last_step, save) or bool(evals)  # measured before them
             # steps that sync anyway: the non-finite and spike policies; rollback past a bad step
             if log or save or stop:
                 if bad := rollback_point(state.nonfinite, state.spikes, step, run.logger):

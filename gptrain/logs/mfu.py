@@ -3,7 +3,8 @@ written: gptrain/logs/loggers.py.)
 
 MFU = achieved model FLOP/s / peak FLOP/s, where the peak is MEASURED in the same run on this
 device with matmuls in the training dtype, never looked up by GPU name. MFU never exceeds 100%:
-a run that achieves more than the measured peak says so and raises the peak (checked_mfu).
+an interval that achieves more than the measured peak reports 1.0 and says so (checked_mfu); the
+peak is never moved, so every report divides by the number the run printed.
 """
 
 from __future__ import annotations
@@ -93,14 +94,15 @@ def format_flops(flops_per_s: float) -> str:
 def checked_mfu(
     tokens_per_s: float, flops_per_token: float, peak_flops: float, world_size: int = 1
 ) -> tuple[float, float, str]:
-    """(MFU, the peak to use from now on, a warning or ""). Achieved FLOP/s per process above the
-    measured peak means the peak missed this device's fastest case: the peak is raised to the
-    achieved rate (MFU 1.0, never more) and the warning says so."""
+    """(MFU, the peak, a warning or ""). Achieved FLOP/s per process above the measured peak
+    means the peak missed this device's fastest case (or the interval was timed short): this
+    report's MFU is 1.0, never more, and the warning says so. The peak comes back unchanged:
+    one report never moves the number later ones divide by."""
     achieved = tokens_per_s * flops_per_token / world_size
     if achieved <= peak_flops:
         return mfu(tokens_per_s, flops_per_token, peak_flops * world_size), peak_flops, ""
-    warning = f"achieved {format_flops(achieved)} per process exceeds the measured peak {format_flops(peak_flops)}: the peak is raised to it (MFU 100%)"
-    return 1.0, achieved, warning
+    warning = f"achieved {format_flops(achieved)} per process exceeds the measured peak {format_flops(peak_flops)}: MFU reported as 100%, the peak kept (it missed this device's fastest case)"
+    return 1.0, peak_flops, warning
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:

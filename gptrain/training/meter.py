@@ -1,7 +1,13 @@
 """The meter: it says when a step is logged (every log.every steps, and with every evaluation,
 save or stop), measures the steps since the last logged one (the loop's only host syncs: loss,
 gradient norm, tokens/s, MFU), and reports them (metrics.jsonl and trackers, train.log, the
-progress bar). Throughput intervals exclude evaluation, sampling and checkpoints.
+progress bar). Throughput intervals exclude evaluation, sampling and checkpoints: an interval is
+measured before its step's save and evaluations, and the next one starts after them, when the
+step is reported (a step that saves or evaluates is always logged).
+
+MFU divides by the peak measured at start-up (printed in the first line), the same number for
+every report: an interval whose achieved FLOP/s exceed it reports MFU 1.0, with a warning the
+first time (checked_mfu); the peak is never moved.
 
 A logged step's training metrics are measured before its checkpoint is written and logged after
 its evaluation; `carry` puts them in that checkpoint's meta.json ("logged"), so that a run killed
@@ -24,6 +30,8 @@ from gptrain.logs.mfu import checked_mfu, synchronize
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens", "tok_per_s", "mfu", "skipped", "train_s")
 OPTIONAL_KEYS = ("spikes", "rollbacks")
 
+clock = time.perf_counter  # the throughput clock (a test may replace it)
+
 
 class Meter:
     def __init__(self, log_every: int, t: TrainConfig, flops_per_token: float, info: DistInfo):
@@ -40,14 +48,17 @@ class Meter:
         self.logger = None  # the run's logger, set once it exists
         self.bar: tqdm | None = None  # the progress bar (main process, log.progress)
         self.last: dict = {}  # the latest logged metrics and evaluation results
-        self._steps, self._since = 0, time.perf_counter()
+        self._capped = False  # an MFU above 1 was reported (and warned about) in this process
+        self._steps, self._since = 0, clock()
 
-    def due(self, step: int, last_step: bool) -> bool:
-        return last_step or step % self.log_every == 0
+    def due(self, step: int, last_step: bool, saves: bool = False) -> bool:
+        """Every log.every steps, the last step, and a step that saves (its interval ends before
+        the save; the caller adds the steps that evaluate)."""
+        return last_step or saves or step % self.log_every == 0
 
     def restart(self, step: int) -> None:
         """A new throughput interval (the loop starts, or a rollback moved the step back)."""
-        self._steps, self._since = 0, time.perf_counter()
+        self._steps, self._since = 0, clock()
         if self.bar:
             self.bar.n = step
 
@@ -56,12 +67,15 @@ class Meter:
         loss = dist.all_reduce_mean(loss_sum).item()  # mean over micro-steps and ranks
         grad_norm = parallelize.full_value(grad_norm)
         synchronize(self.info.device)
-        tok_per_s = self._steps * self.tokens_per_step / (time.perf_counter() - self._since)
-        # MFU <= 1: an achieved rate above the measured peak raises the peak, with a warning
+        tok_per_s = self._steps * self.tokens_per_step / (clock() - self._since)
+        # MFU <= 1 against the start-up peak: above it, 1.0 and a warning (once)
         world = self.info.world_size
-        mfu, self.peak, warning = checked_mfu(tok_per_s, self.flops_per_token, self.peak, world)
-        if warning:
-            self.logger.text(f"warning: step {state.step}: {warning}")
+        mfu, _, warning = checked_mfu(tok_per_s, self.flops_per_token, self.peak, world)
+        if warning and not self._capped:
+            self._capped = True
+            self.logger.text(
+                f"warning: step {state.step}: {warning}; said once, later intervals above the peak report MFU 100% too"
+            )
         metrics = {
             "loss": loss,
             "lr": lr,
@@ -89,7 +103,7 @@ class Meter:
         completed run's final row may lack the training metrics: then no line.)"""
         self.logger.log(step, m)
         self.last.update(m)
-        self._steps, self._since = 0, time.perf_counter()
+        self._steps, self._since = 0, clock()
         if "loss" not in m:
             return
         if self.bar:
