@@ -2,12 +2,17 @@
 
     gptrain race --config configs/default.toml --config configs/race.toml --seeds 5 \\
         --data.dir=data/tinyshakespeare --eval.tokens=100000 --out races/shakespeare
+    gptrain race --config configs/small_llmc.toml --config configs/small.toml \\
+        --ladder 1,1.5,2,3 --seeds 3
 
     --config FILE            a config to race (one flag per config); the first is the baseline
     --seeds N                runs per config, train.seed = 1..N (initialisation and data order);
                              default 5, at least 2 when there is more than one config
     --target VALUE|baseline  the val loss to reach: a number, or baseline (the baseline's mean
                              final val loss; the default)
+    --ladder M1,M2,...       the first config as a ladder of complete runs at these multiples
+                             of its train.max_steps (and optim.warmup_steps), DIR/<config>@<M>:
+                             the compute multiplier interpolates between their final losses
     --out DIR                the race's folder (default races/<first>-vs-<second>...)
     --hellaswag              also score HellaSwag at the end of each run (eval.hellaswag)
     --section.key=value      an override applied to every run
@@ -304,7 +309,7 @@ def _race(args: Args, p: Plan, argv: list[str]) -> int:
             f"no run of the baseline {labels[0]} finished (see {args.out}/{labels[0]}/*/train.log); fix the cause and run the same command to continue"
         )
     race = {"command": ["gptrain", "race", *argv], "seeds": args.seeds}
-    race |= analyse(runs, labels, args.target)
+    race |= analyse(runs, labels, args.target, p.rungs)
     atomic_write_bytes(args.out / "race.json", json.dumps(race, indent=1).encode())
     plot_race(race, args.out / "race.png")
     print(markdown_table(race))

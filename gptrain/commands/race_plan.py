@@ -37,6 +37,7 @@ class Args:
     out: Path
     hellaswag: bool
     overrides: list[str]
+    ladder: list[float] | None = None  # multiples of the first config's train.max_steps
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,13 @@ class Job:
 def parse_args(argv: list[str], usage: str) -> Args:
     """The race's own flags; everything else is an override (`--section.key=value`); --help
     prints `usage`."""
-    values: dict[str, list[str]] = {"config": [], "seeds": [], "target": [], "out": []}
+    values: dict[str, list[str]] = {
+        "config": [],
+        "seeds": [],
+        "target": [],
+        "out": [],
+        "ladder": [],
+    }
     hellaswag, rest, i = False, [], 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
@@ -78,7 +85,8 @@ def parse_args(argv: list[str], usage: str) -> Args:
     out = _out(values["out"][-1] if values["out"] else str(Path("races") / "-vs-".join(labels)))
     seeds = _seeds(values["seeds"][-1] if values["seeds"] else "5", len(values["config"]))
     target = _target(values["target"][-1] if values["target"] else "baseline")
-    return Args(values["config"], seeds, target, out, hellaswag, overrides)
+    ladder = _ladder(values["ladder"][-1]) if values["ladder"] else None
+    return Args(values["config"], seeds, target, out, hellaswag, overrides, ladder)
 
 
 def _out(text: str) -> Path:
@@ -94,6 +102,27 @@ def _out(text: str) -> Path:
                 f"--out {text}: {path} is a file, not a folder; choose another --out for the race's folder"
             )
     return out
+
+
+def _ladder(text: str) -> list[float]:
+    """The ladder's multiples of the first config's train.max_steps: 2 or more, increasing, > 0."""
+    try:
+        rungs = [float(x) for x in text.split(",")]
+    except ValueError:
+        rungs = [math.nan]
+    if not all(math.isfinite(m) for m in rungs):
+        raise UserError(
+            f"--ladder {text!r} is not a list of multiples; write the multiples of the first config's train.max_steps, e.g. --ladder 1,1.5,2,3"
+        )
+    if len(rungs) < 2:
+        raise UserError(
+            f"--ladder {text}: one rung has nothing to interpolate between; give 2 rungs or more (3 or more also fit a power law), e.g. --ladder 1,1.5,2,3"
+        )
+    if min(rungs) <= 0 or any(b <= a for a, b in zip(rungs, rungs[1:], strict=False)):
+        raise UserError(
+            f"--ladder {text}: the multiples must be above 0 and increasing, e.g. --ladder 1,1.5,2,3"
+        )
+    return rungs
 
 
 def _seeds(text: str, n_configs: int) -> int:
@@ -174,6 +203,7 @@ class Plan:
     texts: dict[str, str]  # label -> to_toml(resolved config): the plan's config
     jobs: list[Job]
     overrides: list[str]
+    rungs: dict[str, float] | None = None  # the ladder's labels -> multiples, increasing
 
     def as_json(self) -> dict:
         return {"configs": self.texts, "files": self.files, "overrides": self.overrides}
@@ -181,26 +211,71 @@ class Plan:
 
 def plan(args: Args) -> Plan:
     """Every config loaded and checked, and the runs, before anything is written. Each run
-    trains from OUT/<label>/config.toml, written from the plan's text (never from the file)."""
-    labels = run_labels(args.configs)
-    cfgs, jobs = [], []
-    for path, label in zip(args.configs, labels, strict=True):
+    trains from OUT/<label>/config.toml, written from the plan's text (never from the file).
+    With a ladder the first config is its rungs, `<label>@<multiple>`."""
+    entries = []  # (label, file, overrides)
+    for n, (path, label) in enumerate(zip(args.configs, run_labels(args.configs), strict=True)):
         extra = list(args.overrides)
         if args.hellaswag and not load_config(path, extra).eval.hellaswag:
             extra.append("eval.hellaswag=hellaswag")
-        cfgs.append(load_config(path, extra))
+        if n == 0 and args.ladder:
+            entries += rung_entries(path, label, extra, args.ladder)
+        else:
+            entries.append((label, path, extra))
+    labels = [label for label, _, _ in entries]
+    cfgs = [load_config(path, extra) for _, path, extra in entries]
+    files = {label: path for label, path, _ in entries}
+    check_comparable(list(files.values()), cfgs)
+    jobs = []
+    for label in labels:
         for seed in range(1, args.seeds + 1):
             run_dir = args.out / label / f"seed_{seed}"
             argv = ["--config", str(args.out / label / CONFIG)]
             argv += [f"--train.seed={seed}", f"--run.dir={run_dir}"]
             jobs.append(Job(label, seed, run_dir, tuple(argv)))
-    check_comparable(args.configs, cfgs)
     # seed by seed, every config in turn: a drift of the machine's speed falls on every config
     # alike, and a race stopped part-way has as many seeds of each
     jobs.sort(key=lambda j: (j.seed, labels.index(j.label)))
     texts = {label: config_text(cfg) for label, cfg in zip(labels, cfgs, strict=True)}
-    files = dict(zip(labels, args.configs, strict=True))
-    return Plan(labels, files, cfgs, texts, jobs, list(args.overrides))
+    rungs = None
+    if args.ladder:
+        rungs = {label: m for label, m in zip(labels, args.ladder, strict=False)}
+    return Plan(labels, files, cfgs, texts, jobs, list(args.overrides), rungs)
+
+
+def rung_entries(path: str, label: str, extra: list[str], multiples: list[float]) -> list:
+    """The ladder's rungs of the config at `path`: each a complete run with its own schedule,
+    train.max_steps and optim.warmup_steps scaled by the multiple (the warmup the same share;
+    the decay ends at the rung's last step; a wsd decay_fraction is already a share)."""
+    cfg = load_config(path, extra)
+    if cfg.train.time_budget:
+        raise UserError(
+            f"--ladder scales train.max_steps, but {path} stops at train.time_budget = {cfg.train.time_budget!r} and its schedule follows the time; race a ladder without a time budget (--train.time_budget=)"
+        )
+    steps = [math.floor(m * cfg.train.max_steps + 0.5) for m in multiples]
+    for m, n in zip(multiples, steps, strict=True):
+        if n < 1:
+            raise UserError(
+                f"--ladder: rung {m:g} x train.max_steps = {cfg.train.max_steps} of {path} is {n} steps; choose multiples of 1 step or more"
+            )
+    for i in range(1, len(steps)):
+        if steps[i] == steps[i - 1]:
+            m1, m2, n1 = multiples[i - 1], multiples[i], steps[i]
+            raise UserError(
+                f"--ladder: rungs {m1:g} and {m2:g} both train {n1} steps (train.max_steps = {cfg.train.max_steps} of {path}); choose multiples further apart"
+            )
+    return [
+        (
+            f"{label}@{m:g}",
+            path,
+            [
+                *extra,
+                f"train.max_steps={n}",
+                f"optim.warmup_steps={math.floor(m * cfg.optim.warmup_steps + 0.5)}",
+            ],
+        )
+        for m, n in zip(multiples, steps, strict=True)
+    ]
 
 
 def read_plan(path: Path) -> dict:

@@ -3,10 +3,13 @@ race.json; this module reads metrics and computes):
 
     curve_from_metrics(rows)        a run's validation curve: tokens, training seconds, val loss
                                     and bits/byte at each evaluation
-    analyse(runs, labels, target)   each run's tokens, seconds and FLOPs to the target loss
+    analyse(runs, labels, target, rungs)
+                                    each run's tokens, seconds and FLOPs to the target loss
                                     (censored when not reached), each config's mean +- sd, its
                                     ratios to the baseline (the first config), p-values and its
-                                    compute multiplier
+                                    compute multiplier against the ladder's rungs
+                                    (gptrain/logs/ladder.py; without a ladder, the baseline is
+                                    its one rung and the multiplier only a bound)
 
 The table and race.png: gptrain/logs/race_report.py.
 
@@ -20,13 +23,16 @@ from __future__ import annotations
 
 import math
 
-from gptrain.logs.stats import bisect_boundary, mean_sd, ratio_ci, welch
+from gptrain.logs import ladder
+from gptrain.logs.stats import mean_sd, ratio_ci, welch
 
 LEVEL = 0.95  # confidence level of every interval
 METHODS = {
     "p": "Welch's t-test (unequal variances), two-sided",
     "ratio_ci": "Fieller's interval for a ratio of means under Welch's test",
-    "compute_multiplier": "tokens the baseline's mean curve needs to reach the config's mean final val loss, over the config's mean tokens; its interval and p-value compare the baseline's seeds' losses at m x the config's tokens with the config's final losses (Welch), p at m = 1; a lower bound (> m) is the baseline's last tokens over the config's, its p that test at the bound (the baseline's final losses)",
+    "compute_multiplier": "the tokens at which the ladder's mean final val losses (each rung a complete baseline run at a multiple of its steps), interpolated linearly in log tokens between rungs, reach the config's mean final val loss, over the config's mean tokens; beyond the top rung a lower bound (> m), below the lowest an upper bound (< m), each with the one-sided Welch p-value of the config's final losses against that rung's",
+    "compute_multiplier_ci": f"bootstrap percentile interval: {ladder.BOOT_N} resamples of the seeds within each rung and within the config (numpy default_rng({ladder.BOOT_SEED})); a bound open where resamples fall beyond the ladder",
+    "fit": "L(D) = E + A D^-alpha through the rungs' means (3 rungs or more), least squares; its multiplier is shown beside, marked where it extrapolates beyond the ladder",
     "seconds": "training seconds, the run's train_s or from the logged throughput (evaluation and checkpoints excluded)",
 }
 
@@ -86,10 +92,14 @@ def mean_curve(curves: list[dict], axis: str = "tokens") -> tuple[list[float], l
     return grid, means
 
 
-def analyse(runs: list[dict], labels: list[str], target: float | str) -> dict:
+def analyse(
+    runs: list[dict], labels: list[str], target: float | str, rungs: dict[str, float] | None = None
+) -> dict:
     """The race's results from its run records (config, seed, status, curve, val_loss, val_bpb,
     tokens, train_s, flops_per_token, ...): `target` is a loss or "baseline" (the baseline's mean
-    final val loss). Each finished run gains `to_target`; the result lists each config."""
+    final val loss); `rungs` maps the ladder's configs to their multiples, in increasing order
+    (None: the baseline is the one rung, at 1). Each finished run gains `to_target`; the result
+    lists each config."""
     done = {
         label: [r for r in runs if r["config"] == label and r["status"] == "done"]
         for label in labels
@@ -109,13 +119,21 @@ def analyse(runs: list[dict], labels: list[str], target: float | str) -> dict:
                 "seconds": seconds,
                 "flops": tokens * r["flops_per_token"],
             }
+    rungs = rungs or {labels[0]: 1.0}
+    ladder_runs = [done[label] for label in rungs if done[label]]
+    multiples = [m for label, m in rungs.items() if done[label]]
     configs = [_config(label, done[label], base, value, label == labels[0]) for label in labels]
     for c, label in zip(configs, labels, strict=True):
         c["failed"] = sum(r["config"] == label and r["status"] != "done" for r in runs)
+        if label in rungs:
+            c["compute_multiplier"] = {"rung": rungs[label]}
+        elif done[label]:
+            c["compute_multiplier"] = ladder.multiplier(ladder_runs, done[label], multiples)
     return {
         "target": value,
         "target_from": "the baseline's mean final val loss" if target == "baseline" else "--target",
         "baseline": labels[0],
+        "ladder": rungs if len(rungs) > 1 else None,
         "level": LEVEL,
         "methods": METHODS,
         "configs": configs,
@@ -150,7 +168,6 @@ def _config(label: str, runs: list[dict], base: list[dict], target: float, is_ba
         out["val_loss_vs_baseline"] = {"diff": w.diff, "ci": list(w.ci(LEVEL)), "p": w.p}
     for key in ("tokens", "seconds", "flops"):
         out[f"{key}_to_target"] = _to_target(key, runs, base, target, is_base)
-    out["compute_multiplier"] = {"value": 1.0} if is_base else compute_multiplier(base, runs)
     return out
 
 
@@ -182,42 +199,4 @@ def _to_target(key: str, runs: list[dict], base: list[dict], target: float, is_b
             "p": None,
             "censored": True,
         }
-    return out
-
-
-def compute_multiplier(base: list[dict], runs: list[dict]) -> dict:
-    """How many times the tokens the baseline needs to reach this config's mean final val loss
-    (read off the baseline's mean curve), relative to the config's own mean tokens. Beyond the
-    baseline's last evaluation it is a lower bound. The interval holds the multipliers m at
-    which the baseline's seeds' losses at m x the config's tokens do not differ significantly
-    (Welch) from the config's final losses; p is that test at m = 1 (equal tokens), and for a
-    lower bound `p_bound` is that test at the bound (the baseline's final losses against the
-    config's: below 0.01, the multiplier exceeds the bound at that level)."""
-    finals = [r["val_loss"] for r in runs]
-    tokens = mean_sd([r["tokens"] for r in runs])[0]
-    curves = [r["curve"] for r in base]
-    grid, means = mean_curve(curves)
-    end = grid[-1] / tokens
-    cross = first_crossing(grid, means, mean_sd(finals)[0])
-    value = cross / tokens if cross is not None else end
-    out = {"value": value, "lower_bound": cross is None, "ci": None, "p": None}
-    if len(finals) < 2 or len(curves) < 2:
-        return out
-
-    def p_at(x: float) -> float:  # Welch: the baseline's seeds' losses at x tokens, the finals
-        return welch([value_at(c["tokens"], c["val_loss"], x) for c in curves], finals).p
-
-    def accepted(m: float) -> bool:
-        return p_at(m * tokens) >= 1.0 - LEVEL
-
-    if tokens <= grid[-1]:
-        out["p"] = p_at(tokens)
-    if cross is None:
-        out["p_bound"] = p_at(grid[-1])
-    if not accepted(value):  # beyond the baseline's curve, the config is better than its end
-        out["ci"] = [end, None] if cross is None else None
-        return out
-    lo = 0.0 if accepted(0.0) else bisect_boundary(accepted, value, 0.0)
-    hi = None if accepted(end) else bisect_boundary(accepted, value, end)
-    out["ci"] = [lo, hi]
     return out

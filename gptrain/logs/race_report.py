@@ -61,22 +61,39 @@ def _ratio_cell(t: dict, is_base: bool) -> str:
     return f"{fmt(v['ratio'])}×{_interval(v['ci'], fmt)}{_p(v['p'])}{note}"
 
 
-def _multiplier_cell(m: dict, is_base: bool) -> str:
-    if is_base:
-        return "1×"
+def _x(x: float | None) -> str:
+    return "open" if x is None else f"{x:.3g}×"
 
-    def fmt(x):
-        return f"{x:.3g}"
 
-    if m["lower_bound"]:  # p at the bound: is the config below the baseline's end?
-        return f"> {fmt(m['value'])}×{_p(m.get('p_bound'))}"
-    return f"{fmt(m['value'])}×{_interval(m['ci'], fmt)}{_p(m['p'])}"
+def multiplier_cell(m: dict, ladder: bool) -> str:
+    """The compute multiplier: a rung's own multiple; the ladder's value and its interval; a
+    bound (beyond the top rung, below the lowest) with its one-sided p."""
+    if "rung" in m:
+        return f"rung {m['rung']:g}×" if ladder else "1× (baseline)"
+    where = {">": "beyond the top rung", "<": "below the lowest rung"}
+    if not ladder:
+        where = {">": "below the baseline's final loss", "<": "above the baseline's final loss"}
+    if m["bound"] is not None:
+        return f"{m['bound']} {_x(m['value'])}{_p(m['p'])} ({where[m['bound']]})"
+    ci = "" if m["ci"] is None else f" [{_x(m['ci'][0]).rstrip('×')}, {_x(m['ci'][1])}]"
+    return f"{_x(m['value'])}{ci}"
+
+
+def fit_cell(m: dict) -> str:
+    """The power law's multiplier, marked where it extrapolates beyond the ladder."""
+    if "rung" in m or m.get("fit") is None:
+        return "—"
+    if m["fit_value"] is None:
+        return "below the fit's floor E"
+    return f"{_x(m['fit_value'])}" + (" (extrapolated)" if m["fit_extrapolated"] else "")
 
 
 def markdown_table(race: dict) -> str:
     """One row per config, then a legend naming the target and the methods."""
     target, base = race["target"], race["baseline"]
     hellaswag = any("hellaswag_acc_norm" in c for c in race["configs"])
+    ladder = bool(race.get("ladder"))
+    fit = ladder and len(race["ladder"]) >= 3
     head = [
         "config",
         "runs",
@@ -88,8 +105,9 @@ def markdown_table(race: dict) -> str:
         f"seconds to {target:.4g}",
         "× baseline",
         f"FLOPs to {target:.4g}",
-        "compute multiplier",
+        "compute multiplier (ladder)" if ladder else "compute multiplier (bound)",
     ]
+    head += ["fit L(D)"] if fit else []
     head += ["HellaSwag"] if hellaswag else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in race["configs"]:
@@ -115,8 +133,10 @@ def markdown_table(race: dict) -> str:
             _reach_cell(c["seconds_to_target"], lambda x: f"{x:.3g} s"),
             _ratio_cell(c["seconds_to_target"], is_base),
             _reach_cell(c["flops_to_target"], _si),
-            _multiplier_cell(c["compute_multiplier"], is_base),
+            multiplier_cell(c["compute_multiplier"], ladder),
         ]
+        if fit:
+            row.append(fit_cell(c["compute_multiplier"]))
         if hellaswag:
             row.append(_stats(c.get("hellaswag_acc_norm"), lambda x: f"{x:.4f}"))
         lines.append("| " + " | ".join(row) + " |")
@@ -125,9 +145,20 @@ def markdown_table(race: dict) -> str:
         "",
         f"Target: val loss {target:.4f} ({race['target_from']}); baseline: {base}. Mean ± sd over seeds; intervals are {level}.",
         f"p: {METHODS['p']}. × baseline: ratio of means, {METHODS['ratio_ci']}; shown from the mean curves without an interval when a run did not reach the target (censored).",
-        f"Compute multiplier: {METHODS['compute_multiplier']}. Seconds: {METHODS['seconds']}.",
+        _multiplier_legend(race, ladder),
+        f"Seconds: {METHODS['seconds']}.",
     ]
     return "\n".join(lines)
+
+
+def _multiplier_legend(race: dict, ladder: bool) -> str:
+    if not ladder:
+        return f"Compute multiplier (bound): without a ladder (--ladder) the baseline is one rung: a config ending below its mean final val loss shows > its tokens over the config's, above it <, with the one-sided Welch p of the final losses; no baseline curve is read mid-schedule. {METHODS['compute_multiplier']}."
+    rungs = ", ".join(f"{label} ({m:g}×)" for label, m in race["ladder"].items())
+    return (
+        f"Compute multiplier (ladder: {rungs}): {METHODS['compute_multiplier']}. Interval: {METHODS['compute_multiplier_ci']}."
+        + (f" fit L(D): {METHODS['fit']}." if len(race["ladder"]) >= 3 else "")
+    )
 
 
 def plot_race(race: dict, path: str | Path) -> Path:
