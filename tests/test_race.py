@@ -21,6 +21,7 @@ from train_helpers import DEBUG
 from gptrain.__main__ import main as cli
 from gptrain.commands import race as race_cmd
 from gptrain.commands import race_plan
+from gptrain.data import unigram
 from gptrain.logs.race import analyse, curve_from_metrics, first_crossing
 from gptrain.logs.race_report import markdown_table
 from gptrain.logs.stats import (
@@ -181,6 +182,56 @@ def test_analysis_reports_a_run_that_misses_the_target_as_censored():
     assert v["ci"][0] < v["ratio"] < v["ci"][1] and v["p"] < 0.05
 
 
+# ---------------------------------------------------------------- the regime
+
+
+def test_the_unigram_cross_entropy_equals_a_hand_computation(monkeypatch):
+    """train [0, 0, 1], vocab 3: add-one gives p = 3/6, 2/6, 1/6; val [1, 2] scores
+    -(log 2/6 + log 1/6) / 2 = (log 3 + log 6) / 2 nats, counted in chunks of any size."""
+    want = (math.log(3) + math.log(6)) / 2
+    assert unigram.cross_entropy([[0, 0, 1]], [1, 2], 3) == pytest.approx(want, rel=1e-15)
+    monkeypatch.setattr(unigram, "CHUNK", 2)
+    assert unigram.cross_entropy([[0], [0, 1]], [1, 2], 3) == pytest.approx(want, rel=1e-15)
+
+
+def unigram_reference(data_dir, seq_len: int, eval_tokens: int) -> float:
+    """The regime by plain Python: Counter over the train tokens, the targets of the first
+    eval_tokens // seq_len val windows, the add-one-smoothed log-probabilities summed with fsum."""
+    from collections import Counter
+
+    from gptrain.data.loader import Dataset
+
+    data = Dataset(data_dir)
+    train = Counter()
+    for shard in data.shards["train"]:
+        train.update(int(t) for t in shard[:])
+    val = [int(t) for shard in data.shards["val"] for t in shard[:]]
+    targets = val[1 : (eval_tokens // seq_len) * seq_len + 1]
+    n, v = sum(train.values()), data.vocab_size
+    return -math.fsum(math.log((train[t] + 1) / (n + v)) for t in targets) / len(targets)
+
+
+def test_the_regime_of_a_prepared_folder_equals_plain_counting_and_is_cached(
+    byte_data, tmp_path, monkeypatch
+):
+    from gptrain.config.load import load_config
+
+    got = unigram.unigram_entropy(byte_data, seq_len=64, eval_tokens=1024)
+    assert got["nats"] == pytest.approx(unigram_reference(byte_data, 64, 1024), rel=1e-12)
+    assert got["val_tokens"] == 1024 and got["vocab_size"] == 257  # 256 bytes and EOT
+    cfg = load_config(DEBUG, [f"data.dir={byte_data}", "eval.tokens=1024"])
+    assert race_cmd.regime(tmp_path, cfg) == got  # computed, then cached in the race's folder
+
+    def never(*a):
+        raise AssertionError("computed again")
+
+    monkeypatch.setattr(unigram, "unigram_entropy", never)
+    assert race_cmd.regime(tmp_path, cfg) == got
+    other = load_config(DEBUG, [f"data.dir={byte_data}", "eval.tokens=2048"])
+    with pytest.raises(AssertionError, match="computed again"):  # other val tokens: not cached
+        race_cmd.regime(tmp_path, other)
+
+
 # ---------------------------------------------------------------- races of the debug model
 
 FAST = [
@@ -246,6 +297,15 @@ def test_a_race_of_two_configs_writes_race_json_the_table_and_race_png(
     assert (out / "race.png").read_bytes()[:4] == b"\x89PNG"
     for run in race["runs"]:  # ordinary run directories
         assert (out / run["config"] / f"seed_{run['seed']}" / "summary.json").is_file()
+    # the regime: the val tokens' unigram entropy (8 steps of bytes end far above it: early)
+    want = unigram_reference(byte_data, seq_len=64, eval_tokens=1024)
+    assert race["unigram"]["nats"] == pytest.approx(want, rel=1e-12)
+    base = race["configs"][0]
+    assert base["below_unigram"] == pytest.approx(want - base["val_loss"]["mean"], rel=1e-12)
+    assert base["early_regime"] is (base["below_unigram"] < 1) and "early_regime" not in fast
+    row = next(line for line in table.splitlines() if line.startswith("| debug |"))
+    assert row.endswith("**early regime** |") == base["early_regime"]
+    assert f"Below unigram: nats of val loss below {want:.4f}" in table
     # the folder now holds this race: other overrides there are refused, nothing run
     assert cli(race_args(configs, out, byte_data, "--optim.lr=1e-3")) == 2
     assert "holds a race run with other overrides" in capsys.readouterr().err

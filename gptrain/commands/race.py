@@ -33,6 +33,7 @@ on stdout. The statistics are explained in docs/race.md.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -64,6 +65,7 @@ from gptrain.logs.race import analyse, curve_from_metrics
 from gptrain.logs.race_report import markdown_table, plot_race
 from gptrain.training import attempts
 
+UNIGRAM = "unigram.json"  # the regime's cache in the race's folder
 STOP_WAIT_S = 120.0  # how long a stopped race waits for its runs in progress to save and exit
 
 
@@ -250,6 +252,30 @@ def flops_per_token(cfg: Config) -> float:
     return build_model(cfg, vocab, meta=True).flops_per_token(cfg.train.seq_len)
 
 
+def regime(out: Path, cfg: Config) -> dict:
+    """The unigram entropy of the val tokens the baseline scores, under its train split's counts
+    (gptrain/data/unigram.py), computed once: cached in OUT/unigram.json, keyed by the data's
+    manifest, seq_len and eval.tokens."""
+    from gptrain.data.prepare import resolve_data_dir
+    from gptrain.data.unigram import unigram_entropy
+
+    data_dir = resolve_data_dir(cfg.data.dir, cfg.data.tokenizer)
+    manifest = hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()
+    key = {
+        "manifest_sha256": manifest,
+        "seq_len": cfg.train.seq_len,
+        "eval_tokens": cfg.eval.tokens,
+    }
+    path = out / UNIGRAM
+    with contextlib.suppress(OSError, ValueError, AttributeError, KeyError):
+        cached = json.loads(path.read_text())
+        if cached["key"] == key:
+            return cached["value"]
+    value = unigram_entropy(data_dir, cfg.train.seq_len, cfg.eval.tokens)
+    atomic_write_bytes(path, json.dumps({"key": key, "value": value}, indent=1).encode())
+    return value
+
+
 def record(job: Job, code: int, fpt: float) -> dict:
     """A run's entry in race.json: status, curve and final numbers."""
     rec = {"config": job.label, "seed": job.seed, "dir": str(job.run_dir), "status": "done"}
@@ -309,7 +335,7 @@ def _race(args: Args, p: Plan, argv: list[str]) -> int:
             f"no run of the baseline {labels[0]} finished (see {args.out}/{labels[0]}/*/train.log); fix the cause and run the same command to continue"
         )
     race = {"command": ["gptrain", "race", *argv], "seeds": args.seeds}
-    race |= analyse(runs, labels, args.target, p.rungs)
+    race |= analyse(runs, labels, args.target, p.rungs, regime(args.out, cfgs[0]))
     atomic_write_bytes(args.out / "race.json", json.dumps(race, indent=1).encode())
     plot_race(race, args.out / "race.png")
     print(markdown_table(race))

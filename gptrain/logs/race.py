@@ -27,6 +27,7 @@ from gptrain.logs import ladder
 from gptrain.logs.stats import mean_sd, ratio_ci, welch
 
 LEVEL = 0.95  # confidence level of every interval
+EARLY_NATS = 1.0  # a baseline ending less than this below the unigram entropy: early regime
 METHODS = {
     "p": "Welch's t-test (unequal variances), two-sided",
     "ratio_ci": "Fieller's interval for a ratio of means under Welch's test",
@@ -93,13 +94,19 @@ def mean_curve(curves: list[dict], axis: str = "tokens") -> tuple[list[float], l
 
 
 def analyse(
-    runs: list[dict], labels: list[str], target: float | str, rungs: dict[str, float] | None = None
+    runs: list[dict],
+    labels: list[str],
+    target: float | str,
+    rungs: dict[str, float] | None = None,
+    unigram: dict | None = None,
 ) -> dict:
     """The race's results from its run records (config, seed, status, curve, val_loss, val_bpb,
     tokens, train_s, flops_per_token, ...): `target` is a loss or "baseline" (the baseline's mean
     final val loss); `rungs` maps the ladder's configs to their multiples, in increasing order
-    (None: the baseline is the one rung, at 1). Each finished run gains `to_target`; the result
-    lists each config."""
+    (None: the baseline is the one rung, at 1); `unigram` is the regime (gptrain/data/unigram.py:
+    its "nats"), each config's mean final loss shown below it, a baseline's less than
+    EARLY_NATS below marked early. Each finished run gains `to_target`; the result lists each
+    config."""
     done = {
         label: [r for r in runs if r["config"] == label and r["status"] == "done"]
         for label in labels
@@ -125,6 +132,10 @@ def analyse(
     configs = [_config(label, done[label], base, value, label == labels[0]) for label in labels]
     for c, label in zip(configs, labels, strict=True):
         c["failed"] = sum(r["config"] == label and r["status"] != "done" for r in runs)
+        if unigram is not None and c.get("val_loss"):
+            c["below_unigram"] = unigram["nats"] - c["val_loss"]["mean"]
+            if label in rungs:  # the baseline's runs: is the race in the early regime?
+                c["early_regime"] = c["below_unigram"] < EARLY_NATS
         if label in rungs:
             c["compute_multiplier"] = {"rung": rungs[label]}
         elif done[label]:
@@ -134,6 +145,7 @@ def analyse(
         "target_from": "the baseline's mean final val loss" if target == "baseline" else "--target",
         "baseline": labels[0],
         "ladder": rungs if len(rungs) > 1 else None,
+        "unigram": unigram,
         "level": LEVEL,
         "methods": METHODS,
         "configs": configs,

@@ -108,6 +108,7 @@ def markdown_table(race: dict) -> str:
         "compute multiplier (ladder)" if ladder else "compute multiplier (bound)",
     ]
     head += ["fit L(D)"] if fit else []
+    head += ["below unigram"] if race.get("unigram") else []
     head += ["HellaSwag"] if hellaswag else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in race["configs"]:
@@ -137,6 +138,9 @@ def markdown_table(race: dict) -> str:
         ]
         if fit:
             row.append(fit_cell(c["compute_multiplier"]))
+        if race.get("unigram"):
+            early = " **early regime**" if c.get("early_regime") else ""
+            row.append(f"{c['below_unigram']:.3f}{early}")
         if hellaswag:
             row.append(_stats(c.get("hellaswag_acc_norm"), lambda x: f"{x:.4f}"))
         lines.append("| " + " | ".join(row) + " |")
@@ -148,12 +152,16 @@ def markdown_table(race: dict) -> str:
         _multiplier_legend(race, ladder),
         f"Seconds: {METHODS['seconds']}.",
     ]
+    if u := race.get("unigram"):
+        lines.append(
+            f"Below unigram: nats of val loss below {u['nats']:.4f}, the val tokens' cross-entropy under the train split's unigram counts ({u['val_tokens']:,} val tokens, {u['train_tokens']:,} train tokens, {u['smoothing']}). A baseline less than 1 nat below it is marked early regime: its loss is still mostly token frequencies, and a recipe's lead there need not hold later in training."
+        )
     return "\n".join(lines)
 
 
 def _multiplier_legend(race: dict, ladder: bool) -> str:
     if not ladder:
-        return f"Compute multiplier (bound): without a ladder (--ladder) the baseline is one rung: a config ending below its mean final val loss shows > its tokens over the config's, above it <, with the one-sided Welch p of the final losses; no baseline curve is read mid-schedule. {METHODS['compute_multiplier']}."
+        return "Compute multiplier (bound): without a ladder (--ladder) the baseline is one rung, read only where its schedule ended: a config ending below its mean final val loss shows > the baseline's mean tokens over the config's, one ending above it <, each with the one-sided Welch p-value of the two configs' final losses."
     rungs = ", ".join(f"{label} ({m:g}×)" for label, m in race["ladder"].items())
     return (
         f"Compute multiplier (ladder: {rungs}): {METHODS['compute_multiplier']}. Interval: {METHODS['compute_multiplier_ci']}."
