@@ -242,6 +242,7 @@ def test_a_ladder_race_trains_its_rungs_as_run_directories_and_reports_the_ladde
         ("1,x", [], "is not a list of multiples"),
         ("1,1.1", [], "rungs 1 and 1.1 both train 3 steps"),
         ("1,2", ["--train.time_budget=10m"], "race a ladder without a time budget"),
+        ("1,2", ["--seeds", "1"], "use --seeds 2 or more"),
     ],
 )
 def test_bad_ladders_are_one_line_and_nothing_is_written(

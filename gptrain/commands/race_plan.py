@@ -83,9 +83,10 @@ def parse_args(argv: list[str], usage: str) -> Args:
         )
     labels = run_labels(values["config"])
     out = _out(values["out"][-1] if values["out"] else str(Path("races") / "-vs-".join(labels)))
-    seeds = _seeds(values["seeds"][-1] if values["seeds"] else "5", len(values["config"]))
-    target = _target(values["target"][-1] if values["target"] else "baseline")
     ladder = _ladder(values["ladder"][-1]) if values["ladder"] else None
+    n_configs = len(values["config"]) + (len(ladder) - 1 if ladder else 0)  # rungs count
+    seeds = _seeds(values["seeds"][-1] if values["seeds"] else "5", n_configs)
+    target = _target(values["target"][-1] if values["target"] else "baseline")
     return Args(values["config"], seeds, target, out, hellaswag, overrides, ladder)
 
 
