@@ -1,13 +1,17 @@
 """A run killed after its last checkpoint, before it finished (in its final evaluation, or before
-summary.json), is completed by the same command: the final evaluation, the last step's row (its
-training metrics carried in the checkpoint's meta.json), summary.json and the plot, equal to
-what the uninterrupted run wrote but for wall-clock numbers. A finished run is left alone
-(tests/test_resume.py::test_rerunning_a_finished_run_changes_nothing)."""
+summary.json), is completed by the same command, which takes over the killed trainer's lock:
+the final evaluation, the last step's row (its training metrics carried in the checkpoint's
+meta.json), summary.json and the plot, equal to what the uninterrupted run wrote but for
+wall-clock numbers. A finished run is left alone
+(tests/test_resume.py::test_rerunning_a_finished_run_changes_nothing). An exception leaving the
+loop publishes a pending background save first (2 ranks, FSDP2, checkpoint.async), unless a
+peer cannot join in."""
 
 import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 
@@ -63,14 +67,18 @@ def uninterrupted(byte_data, tmp_path_factory):
 
 
 def test_killed_in_the_final_evaluation_the_rerun_completes_the_run(
-    byte_data, tmp_path, uninterrupted
+    byte_data, tmp_path, uninterrupted, capsys
 ):
     run_dir = tmp_path / "r"
     killed(byte_data, run_dir, "kill_eval@6")
+    dead = json.loads((run_dir / ".lock").read_text())["pid"]  # the killed trainer's lock
     assert checkpoint.latest(run_dir).name == "step_00000006"
     assert not (run_dir / "summary.json").exists() and max(r["step"] for r in rows(run_dir)) == 5
     logged = checkpoint.load_meta(checkpoint.latest(run_dir))["logged"]  # measured before the kill
     assert run(byte_data, run_dir, *COMMON)["steps"] == 6
+    err = capsys.readouterr().err  # the stale lock is taken over with one line, then released
+    assert f"taking over the lock of gptrain train (host {socket.gethostname()}, pid {dead}" in err
+    assert f"pid {dead} is not running" in err and not (run_dir / ".lock").exists()
     got, want = rows(run_dir), rows(uninterrupted)
     assert [without(r, CLOCK) for r in got] == [without(r, CLOCK) for r in want]
     assert got[-1]["step"] == 6 and "val_loss" in got[-1]

@@ -6,10 +6,12 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import forked
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -322,3 +324,53 @@ def test_progress_bar_only_on_a_terminal(byte_data, tmp_path):
     os.close(main)
     assert proc.returncode == 0
     assert b"train:" in drawn and b"4/4" in drawn and b"step 2/4 loss" not in out
+
+
+def test_a_second_training_into_a_run_dir_in_use_is_one_line_and_exit_2(byte_data, tmp_path):
+    """Two `gptrain train` into one run.dir at once: the second stops with one line naming the
+    first (host, pid), exit 2, writing nothing; the first finishes normally and lets go."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    args += [f"--run.dir={run_dir}", "--log.progress=false", "--log.every=1", "--eval.every=0"]
+    args += ["--eval.sample_every=0", "--eval.tokens=512", "--train.max_steps=100"]
+    first = forked.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 120
+    while time.time() < deadline and first.poll() is None:
+        if metrics.is_file() and metrics.read_text():
+            break
+        time.sleep(0.05)
+    attempts = (run_dir / "attempts.jsonl").read_text()
+    second = forked.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert first.poll() is None, "the first run ended before the second started"
+    assert second.returncode == 2, second.stderr[-2000:]
+    host = socket.gethostname()
+    assert second.stderr.splitlines() == [
+        line for line in second.stderr.splitlines() if line.startswith("gptrain: error: ")
+    ]
+    assert len(second.stderr.splitlines()) == 1
+    assert f"run folder {run_dir} is in use by gptrain train (host {host}, pid {first.pid}, since " in second.stderr  # fmt: skip
+    assert (run_dir / "attempts.jsonl").read_text().startswith(attempts)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 100
+    starts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert len([r for r in starts if r.get("event") == "start"]) == 1  # the second wrote nothing
+    assert not (run_dir / ".lock").exists()
+
+
+@pytest.mark.slow
+def test_every_rank_stops_with_one_line_when_the_run_dir_is_in_use(byte_data, tmp_path):
+    """2 gloo ranks into a run.dir whose lock a live process holds: rank 0 (the only one that
+    takes the lock) is refused, and its refusal stops rank 1 too, both exit 2 with the line."""
+    import dist_helpers as h
+
+    run_dir = tmp_path / "run"
+    args = ["-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    args += [f"--run.dir={run_dir}", "--train.micro_batch_size=4", *h.FAST]
+    with checkpoint.RunLock(run_dir, "a test"):
+        results = h.wait_all(h.spawn(args), h.TIMEOUT)
+        assert sorted(os.listdir(run_dir)) == [".lock"]  # nothing written
+    assert [rc for rc, _, _ in results] == [2, 2], [r[2][-2000:] for r in results]
+    for _, _, err in results:
+        assert f"run folder {run_dir} is in use by a test (host {socket.gethostname()}, pid {os.getpid()}" in err  # fmt: skip
+        assert "Traceback" not in err

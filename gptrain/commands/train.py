@@ -45,7 +45,13 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
     """Run one training job; returns the summary dict (also written to run.dir/summary.json)."""
     log_path = os.path.join(cfg.run.dir, "train.log") if info.is_main else None
     preemption = Preemption().install()  # from the first moment: a signal in start-up counts too
+    lock = None
     try:
+        # run.dir has one owner from before anything is written to the end: the main process
+        # holds its lock (the other ranks write nothing there); another live job's lock stops
+        # every rank with one line (UserError, exit 2), a dead one's is taken over with a line
+        lock = checkpoint.RunLock(cfg.run.dir, "gptrain train") if info.is_main else None
+        dist.on_main(info, lambda: lock.acquire())
         # the hang watchdog (phase: start), then the restart ledger: a start in a crash loop
         # ends here (CrashLoop, exit 4); the ledger records how this attempt ends
         with (
@@ -56,6 +62,8 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             preemption.connect(ledger.signal)  # a signal already received is recorded now
             return _train(cfg, info, watchdog, ledger, preemption)
     finally:
+        if lock is not None:  # after a refusal too: it removes only a lock that is its own
+            lock.release()
         preemption.restore()
 
 
