@@ -231,10 +231,14 @@ def test_a_run_shows_its_choices_in_the_first_line_and_summary(byte_data, tmp_pa
     first = (run_dir / "train.log").read_text().splitlines()[0]
     assert "speed choices in" in first and "train.dtype=float32 (config)" in first
     assert "train.attention=" in first and "float32/sdpa" in first and "optim.muon_dtype=" in first
+    assert "train.loss=" in first and "the head's loss fwd+bwd of 512 rows" in first
     choices = json.loads((run_dir / "summary.json").read_text())["speed_choices"]
     assert choices["dtype"] == "float32" and choices["attention"] in ("sdpa", "matmul")
     assert choices["how"]["attention"] == "measured" and set(choices["block_ms"]) == {"float32/sdpa", "float32/matmul"}  # fmt: skip
-    assert choices["muon_dtype"] in ("float32", "bfloat16")
+    assert choices["muon_dtype"] in ("float32", "bfloat16") and choices["loss"] in (
+        "chunked",
+        "full",
+    )
 
 
 def test_the_clock_keeps_each_candidate_within_its_share():
@@ -295,13 +299,14 @@ def test_timings_on_a_crowded_cpu_are_used_but_not_cached(tmp_path, monkeypatch)
 
 
 def test_a_resumed_run_keeps_its_checkpoints_choices_untimed(monkeypatch, tmp_path):
-    """for_run with the decisions a checkpoint recorded: every key still auto takes them (how:
-    "checkpoint") and nothing is timed, whatever the cache holds; an explicit value still wins."""
+    """speed_choices (training/build.py) with the decisions a checkpoint recorded: every key
+    still auto takes them (how: "checkpoint"), the loss path included, and nothing is timed,
+    whatever the cache holds; an explicit value still wins; a checkpoint from before train.loss
+    was recorded has the loss decided afresh."""
     from gptrain.config.load import load_config
     from gptrain.distributed.runtime import DistInfo
     from gptrain.training import timing
-    from gptrain.training.build import build_model
-    from gptrain.training.choices import for_run
+    from gptrain.training.build import build_model, speed_choices
 
     monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path))
 
@@ -312,11 +317,15 @@ def test_a_resumed_run_keeps_its_checkpoints_choices_untimed(monkeypatch, tmp_pa
     cfg = load_config(None, ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "optim.name=muon", "train.dtype=auto", "train.seq_len=32", "train.micro_batch_size=4", "train.total_batch_size=128"])  # fmt: skip
     model = build_model(cfg, 257)
     saved = {"dtype": "float32", "attention": "matmul", "muon_dtype": "float32"}
-    saved["muon_split"] = "split"
-    got = for_run(cfg, DistInfo(), model, "auto", saved=saved)
+    saved.update(muon_split="split", loss="full")
+    got = speed_choices(cfg, DistInfo(), model, "auto", saved=saved)
     assert got.decisions() == saved and set(got.how.values()) == {"checkpoint"}
-    got = for_run(cfg, DistInfo(), model, "float32", saved={**saved, "dtype": "bfloat16"})
+    got = speed_choices(cfg, DistInfo(), model, "float32", saved={**saved, "dtype": "bfloat16"})
     assert got.dtype == "float32" and got.how["dtype"] == "config"
+    monkeypatch.setattr(timing.Clock, "__call__", lambda self, label, fn, rival: 1.0)
+    older = {k: v for k, v in saved.items() if k != "loss"}
+    got = speed_choices(cfg, DistInfo(), model, "auto", saved=older)
+    assert got.loss == "chunked" and got.how["loss"] == "measured"  # a tie keeps chunked
 
 
 def test_the_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
@@ -476,23 +485,106 @@ def test_the_muon_split_cache_key_includes_the_world_size(tmp_path):
 
 
 def test_muon_split_untimed_at_one_process_under_fsdp_explicit_or_resumed(monkeypatch, tmp_path):
-    """for_run times no Muon step at 1 process (split, by rule), under FSDP2 (split) or with an
-    explicit value; a resumed run keeps its recorded choice (how: checkpoint) and records it."""
+    """speed_choices (training/build.py) times no Muon step at 1 process (split, by rule), under
+    FSDP2 (split) or with an explicit value; a resumed run keeps its recorded choice (how:
+    checkpoint) and records it."""
     from gptrain.distributed.runtime import DistInfo
     from gptrain.training import timing
-    from gptrain.training.choices import for_run
+    from gptrain.training.build import speed_choices
 
     monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path))
     monkeypatch.setattr(timing.Lockstep, "__call__", _no_timing)
     cfg, model, _, _ = _split_setup(muon_dtype="float32")
-    saved = {"dtype": "float32", "attention": "sdpa", "muon_dtype": "float32"}
-    got = for_run(cfg, DistInfo(), model, "auto", saved=saved)
+    saved = {"dtype": "float32", "attention": "sdpa", "muon_dtype": "float32", "loss": "chunked"}
+    got = speed_choices(cfg, DistInfo(), model, "auto", saved=saved)
     assert got.muon_split == "split" and got.how["muon_split"].startswith("rule: one process")
-    got = for_run(cfg, DistInfo(world_size=2), model, "auto", fsdp=True, saved=saved)
+    got = speed_choices(cfg, DistInfo(world_size=2), model, "auto", fsdp=True, saved=saved)
     assert got.muon_split == "split" and got.how["muon_split"].startswith("rule: FSDP2")
     resumed = {**saved, "muon_split": "redundant"}
-    got = for_run(cfg, DistInfo(world_size=2), model, "auto", saved=resumed)
+    got = speed_choices(cfg, DistInfo(world_size=2), model, "auto", saved=resumed)
     assert got.decisions() == resumed and got.how["muon_split"] == "checkpoint"
     cfg, model, _, _ = _split_setup(muon_dtype="float32", muon_split="redundant")
-    got = for_run(cfg, DistInfo(world_size=2), model, "auto", saved=saved)
+    got = speed_choices(cfg, DistInfo(world_size=2), model, "auto", saved=saved)
     assert got.muon_split == "redundant" and got.how["muon_split"] == "config"
+
+
+# GPT-2 124M's head: width 768, vocabulary 50257 (padded 50304), micro-batch 16 x 1024
+GPT2_HEAD = Shapes(16, 1024, 12, 768, 12, vocab=50257, padded_vocab=50304)
+
+
+def test_the_loss_path_follows_the_fake_timer():
+    """train.loss = auto: the head's loss timed chunked vs full in two rounds on at least one
+    chunk's rows (GPT-2 on a CPU: one chunk of 667, not the 34 rows BLOCK_FLOPS allows); full
+    only when clearly faster; shown in the line. An explicit path and no loss time nothing."""
+    for full_s, want in ((0.5, "full"), (1 - MARGIN / 2, "chunked"), (2.0, "chunked")):
+        timer = FakeTimer(loss__chunked=1.0, loss__full=full_s)
+        c = decide("cpu", GPT2_HEAD, "float32", "sdpa", None, "auto", timer=timer, cache_path=None)
+        assert (c.loss, c.how["loss"], c.loss_rows) == (want, "measured", 667)
+        assert timer.calls == twice(["loss/chunked", "loss/full"])
+        assert c.loss_ms == {"chunked": 1000.0, "full": full_s * 1e3}
+        assert f"train.loss={want} (measured) [the head's loss fwd+bwd of 667 rows" in c.line()
+    for loss in ("chunked", "full", None):
+        c = decide("cpu", GPT2_HEAD, "float32", "sdpa", None, loss, timer=_no_timing, cache_path=None)  # fmt: skip
+        assert c.loss == loss and c.decisions()["loss"] == loss
+        assert ("train.loss=" in c.line()) == (loss is not None)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_gpu_times_the_full_loss_only_where_its_logits_fit(monkeypatch, compiled):
+    """On CUDA the full logits (16 x 1024 rows x 50304 x FULL_LOGITS_BYTES = 9.2 GiB for GPT-2)
+    must stay under LOGITS_MEMORY_SHARE of the free memory: with 30 GiB free chunked by rule,
+    untimed; with 40 GiB both are timed on GPU_BLOCK_FLOPS' rows (8628), or the compiled loss's
+    larger chunk when that is more; a timing out of memory keeps chunked, with a warning."""
+    from gptrain.training import choices
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(choices, "loss_run", lambda *args: lambda: None)
+    need = 16 * 1024 * 50304 * choices.FULL_LOGITS_BYTES
+    for free_gib, timed in ((30, False), (40, True)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, f=free_gib: (f * 2**30, 80 * 2**30))  # fmt: skip
+        timer = FakeTimer(loss__full=0.5)
+        c = decide("cuda", GPT2_HEAD, "float32", "sdpa", None, "auto", compiled=compiled, timer=timer, cache_path=None)  # fmt: skip
+        assert (need > choices.LOGITS_MEMORY_SHARE * free_gib * 2**30) != timed
+        assert (c.loss, bool(timer.calls)) == (("full", True) if timed else ("chunked", False))
+        if not timed:
+            assert c.how["loss"] == f"rule: the full logits need {need / 2**30:.1f} GiB, over 25% of free memory"  # fmt: skip
+    assert c.loss_rows == int(2e12 / (6 * 768 * 50304)) == 8628  # compiled chunk: 16384 / 8
+
+    def oom(label, fn, rival):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    c = decide("cuda", GPT2_HEAD, "float32", "sdpa", None, "auto", timer=oom, cache_path=None)
+    assert (c.loss, c.how["loss"]) == ("chunked", "rule: its timing ran out of memory")
+    assert len(c.warnings) == 1 and "ran out of GPU memory" in c.warnings[0]
+
+
+def test_the_real_loss_timing_runs_both_paths_and_is_cached(tmp_path, monkeypatch):
+    """The real Clock on a small head (512 rows, width 64, vocab 257): both paths timed, the
+    choice one of them; a second decision reads the cache and times nothing. A run that compiles
+    its loss has both paths compiled before they are timed (here by the aot_eager backend)."""
+    small = Shapes(8, 64, 2, 64, 2, vocab=257, padded_vocab=320)
+    path = tmp_path / "speed_choices.json"
+    compiled, real = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or real(fn, backend="aot_eager", **kw))  # fmt: skip
+    c = decide("cpu", small, "float32", "sdpa", None, "auto", compiled=True, cache_path=None)
+    assert compiled == [{"dynamic": False}] * 2 and set(c.loss_ms) == {"chunked", "full"}
+    first = decide("cpu", small, "float32", "sdpa", None, "auto", cache_path=path)
+    assert first.loss in ("chunked", "full") and first.loss_rows == 512 and len(compiled) == 2
+    assert set(first.loss_ms) == {"chunked", "full"} and all(v > 0 for v in first.loss_ms.values())
+    if any("CPU cores from this one" in w for w in first.warnings):  # another job's threads
+        pytest.skip(f"other processes crowded this CPU while it timed: {first.warnings[0]}")
+    again = decide("cpu", small, "float32", "sdpa", None, "auto", timer=_no_timing, cache_path=path)  # fmt: skip
+    assert (again.loss, again.how["loss"], again.loss_ms) == (first.loss, "cached", first.loss_ms)
+
+
+def test_the_run_trains_with_the_loss_path_its_choices_name(byte_data):
+    """build_training sets the model's loss path from train.loss (or auto's measured choice) and
+    records it in the decisions a checkpoint keeps."""
+    from gptrain.config.load import load_config
+    from gptrain.distributed.runtime import DistInfo
+    from gptrain.training.build import build_training
+
+    for loss in ("full", "chunked"):
+        cfg = load_config(DEBUG, [f"data.dir={byte_data}", f"train.loss={loss}", "train.dtype=float32", "train.attention=sdpa"])  # fmt: skip
+        built = build_training(cfg, DistInfo(), 257, "float32", False)
+        assert built[0].loss == loss and built.choices.decisions()["loss"] == loss

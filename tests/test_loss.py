@@ -219,3 +219,33 @@ def test_a_compiled_loss_takes_at_most_max_compiled_chunks(monkeypatch):
     monkeypatch.setattr(losses, "MAX_COMPILED_CHUNKS", 1000)  # no cap: the loop unrolled whole
     assert chunks_in_graph()[0] == 48
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_full_path_gives_plain_cross_entropy_like_the_chunked_one(dtype):
+    """set_loss("full") (train.loss = full: the full logits, then F.cross_entropy) and the chunked
+    path both give F.cross_entropy's loss and every gradient on the full float32 logits, in
+    float32 and under bf16 autocast (bf16's tolerance there); only the full path holds the full
+    logits (so set_loss really switches)."""
+    model = make(vocab_size=1000)
+    model.loss_chunk_rows = 8
+    idx, targets = batch(vocab_size=1000, B=6)
+    on = dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+        ref_loss, ref = loss_and_grads(model, lambda: plain_loss(model, idx, targets))
+        got = {}
+        for path in ("full", "chunked"):
+            model.set_loss(path)
+            got[path] = loss_and_grads(model, lambda: model(idx, targets)[1])
+    for loss, grads in got.values():
+        assert loss.dtype == torch.float32
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-3 if on else 1e-6, atol=1e-3 if on else 1e-6)  # fmt: skip
+        for name, g in ref.items():
+            atol = 2e-2 * g.abs().max().item() if on else 1e-7
+            torch.testing.assert_close(grads[name], g, rtol=2e-2 if on else 1e-5, atol=atol, msg=name)  # fmt: skip
+    full_logits = 6 * 16 * 1000
+    for path, holds in (("full", True), ("chunked", False)):
+        model.set_loss(path)
+        assert (_step_footprint(model, idx, targets, use_plain=False)[0] >= full_logits) == holds
+    with pytest.raises(ValueError, match="chunked or full"):
+        model.set_loss("fused")

@@ -11,10 +11,12 @@ matmuls), but logits are only returned for the `vocab_size` real tokens. Padded 
 can never be sampled, and a padded id given as a target is out of range for cross-entropy
 (an error, not a silent bug).
 
-The loss never materialises the (B, T, V) float32 logits: `linear_cross_entropy` (losses.py) runs
-the output head and the cross-entropy over chunks of rows, and (when gradients are needed)
-computes the chunk's input and weight gradients right there, so at most one chunk's logits are
-alive in forward and none in backward. Same value and gradients as the plain computation.
+The loss (`loss = "chunked"`, the default) never materialises the (B, T, V) float32 logits:
+`linear_cross_entropy` (losses.py) runs the output head and the cross-entropy over chunks of rows,
+and (when gradients are needed) computes the chunk's input and weight gradients right there, so at
+most one chunk's logits are alive in forward and none in backward. Same value and gradients as the
+plain computation, `loss = "full"` (`full_cross_entropy`: the full logits, then F.cross_entropy),
+which is faster where its memory is at hand; chosen from outside (set_loss, train.loss).
 
 Shapes: B batch, T time (sequence), C n_embd, nh heads, hs head size (C // nh), V vocab_size.
 """
@@ -31,7 +33,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptrain.model.attention import matmul_attention
-from gptrain.model.losses import chunk_rows, chunked_loss, linear_cross_entropy
+from gptrain.model.losses import (
+    chunk_rows,
+    chunked_loss,
+    full_cross_entropy,
+    linear_cross_entropy,
+)
 
 
 @dataclass
@@ -165,7 +172,15 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one Parameter, two names
         self.loss_chunk_rows: int | None = None  # None: losses.chunk_rows's default
+        self.loss = "chunked"  # the training loss's path: set_loss
         self.init_weights()
+
+    def set_loss(self, impl: str) -> None:
+        """The mean loss's path: "chunked" (linear_cross_entropy, no full logits) or "full"
+        (full_cross_entropy); the same value and gradients. Per-token losses stay chunked."""
+        if impl not in ("chunked", "full"):
+            raise ValueError(f"loss {impl!r} must be chunked or full")
+        self.loss = impl
 
     def set_attention(self, impl: str) -> None:
         """Attention kernel for training and evaluation: "sdpa" or "matmul" (matmul_attention)."""
@@ -194,7 +209,7 @@ class GPT(nn.Module):
     ) -> tuple[Tensor | None, Tensor | None]:
         """idx (B, T) int64 -> (logits (B, T, vocab_size) float32, None) without targets, or
         (None, mean cross-entropy float32) with targets (B, T) int64 (IGNORE_INDEX positions left
-        out): the loss path never builds the full logits (see linear_cross_entropy). Both float32
+        out): the chunked loss path never builds the full logits (see set_loss). Both float32
         even under autocast. reduction="none" (no gradients; for scoring, e.g. HellaSwag) gives
         the per-token losses (B, T) instead of their mean, 0 at IGNORE_INDEX positions.
         """
@@ -217,14 +232,10 @@ class GPT(nn.Module):
                         per_token,
                     )
                 return None, per_token.view(targets.shape)  # (B, T)
-            loss = linear_cross_entropy(
-                x.reshape(-1, x.size(-1)),  # (B*T, C)
-                self.lm_head.weight,
-                targets.reshape(-1),  # (B*T,)
-                self.config.vocab_size,
-                rows,
-            )
-            return None, loss
+            args = (x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
+            if self.loss == "full":  # (B*T, C), (padded V, C), (B*T,)
+                return None, full_cross_entropy(*args, self.config.vocab_size)
+            return None, linear_cross_entropy(*args, self.config.vocab_size, rows)
         logits = self.lm_head(x)  # (B, T, padded V): the matmul runs on the aligned padded size
         if logits.size(-1) != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]  # (B, T, V), padded ids dropped

@@ -1,14 +1,17 @@
-"""The loss without the logits: cross-entropy of the output head, chunk by chunk.
+"""The output head's cross-entropy, two ways: chunk by chunk without the logits, or whole.
 
 `linear_cross_entropy` runs the output head (x @ weight.T) and the cross-entropy over chunks of
 rows and, when gradients are needed, computes each chunk's input and weight gradients right there
 (Liger-kernel style), so at most one chunk's float32 logits are alive in forward and none in
-backward. Same value and gradients as the plain computation, same FLOPs. Imports only torch.
+backward. Same value and gradients as the plain computation, same FLOPs. `full_cross_entropy` is
+the plain computation: the full logits, then F.cross_entropy (under torch.compile, fused by it);
+faster where its memory is at hand (the choice: train.loss). Imports only torch.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 IGNORE_INDEX = -1  # targets with this value are left out of the loss
@@ -51,6 +54,14 @@ def linear_cross_entropy(
         return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_rows)
     loss_sum, n_valid, _, _ = chunked_loss(x, weight, targets, vocab_size, chunk_rows, False)
     return loss_sum / n_valid
+
+
+def full_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
+    """Mean cross-entropy of the full logits x @ weight.T (the first vocab_size columns), in
+    float32: what linear_cross_entropy equals, holding (N, V) logits, their float32 copy and,
+    in backward, their gradient. x (N, C), weight (padded V, C), targets (N,) as there."""
+    logits = (x @ weight.t())[:, :vocab_size].float()  # (N, V)
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

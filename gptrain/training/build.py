@@ -4,6 +4,8 @@ parallel wrapping, the optimizer and the precision. Shared by `gptrain train` an
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from gptrain.config.load import Config
@@ -11,7 +13,7 @@ from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.host import keep_freed_memory
 from gptrain.errors import UserError
-from gptrain.training.choices import Choices, for_run
+from gptrain.training.choices import Choices, Shapes, decide, decide_muon_split
 from gptrain.training.precision import (
     mixed_precision,
     resolve_dtype,
@@ -129,9 +131,9 @@ def build_training(
 ) -> Built:
     """(model, wrapped, optimizer, compute dtype, autocast, scaler), in this order: the model with
     the same initialisation on every rank (same seed), parallelism applied from outside, then the
-    optimizer over the (possibly sharded) parameters. train.dtype (`dtype`), train.attention and
-    optim.muon_dtype = auto are decided by timing the run's shapes (training/choices.py), or taken
-    from the checkpoint a run resumes (`saved_choices`).
+    optimizer over the (possibly sharded) parameters. train.dtype (`dtype`), train.attention,
+    train.loss and optim.muon_dtype = auto are decided by timing the run's shapes
+    (speed_choices), or taken from the checkpoint a run resumes (`saved_choices`).
 
     FSDP2 with a random init: the model is built on the `meta` device (no memory), sharded, then
     each rank allocates only its shards (`to_empty`) and initialises them (`init_sharded`), so no
@@ -150,9 +152,10 @@ def build_training(
     if info.device_type == "cpu":  # before the timings, so that they see the training's allocator:
         keep_freed_memory()  # no page faults for every step's activations (host.py)
     set_matmul_precision(info.device_type, cfg.train.tf32)  # before the timings and the peak
-    choices = for_run(cfg, info, model, dtype, fsdp, saved_choices, micro_batch)  # once per machine
+    choices = speed_choices(cfg, info, model, dtype, fsdp, saved_choices, micro_batch, compile)
     ptdtype = resolve_dtype(dtype, info.device_type, fsdp, measured=choices.dtype)
     model.set_attention(attention_kernel(cfg.train.attention, choices.attention))
+    model.set_loss(choices.loss)  # train.loss, or auto's measured path
     wrapped = parallelize.wrap_model(
         model,
         cfg.dist,
@@ -172,6 +175,63 @@ def build_training(
     )
     autocast, scaler = mixed_precision(ptdtype, info.device_type)
     return Built((model, wrapped, optimizer, ptdtype, autocast, scaler), choices)
+
+
+def speed_choices(
+    cfg,
+    info,
+    model,
+    dtype: str,
+    fsdp: bool = False,
+    saved: dict | None = None,
+    mb: int = 0,
+    compile: bool | None = None,
+) -> Choices:
+    """The run's measured speed choices (training/choices.py, `decide`): cfg (a config.Config)
+    and its built `model` give the shapes (the micro-batch a CPU uses, the model's block, its Muon
+    matrices, its vocabulary), `dtype` is train.dtype and `compile` train.compile (bench passes
+    its own), `fsdp` whether it shards. Decided on the main process; every rank gets the same
+    Choices. `saved`: the decisions a resumed checkpoint recorded (Choices.decisions()); a
+    resumed run keeps them for every key still auto, so that it computes exactly as before
+    whatever the cache holds (how: "checkpoint"), unless this device cannot run one of them (bf16
+    Muon where bf16 is emulated): then it decides afresh, with a warning."""
+    from gptrain.training import batch
+    from gptrain.training.optim import muon_split
+
+    c, t, o = model.config, cfg.train, cfg.optim
+    muon = o.name == "muon"
+    matrices = {tuple(p.shape) for p in muon_split(model, 0.0)[0]} if muon else set()
+    mb = mb or batch.plan(t, info.world_size)[0]  # what a CPU uses, a GPU tries first
+    arch = (c.n_layer, c.n_embd, c.n_head, c.gelu, c.bias, tuple(sorted(matrices)))
+    vocab = {"vocab": c.vocab_size, "padded_vocab": c.padded_vocab_size}
+    shapes = Shapes(mb, t.seq_len, *arch, o.muon_ns_steps, **vocab)
+    muon_dtype = o.muon_dtype if muon else None
+    asked = {"dtype": dtype, "attention": t.attention, "muon_dtype": muon_dtype, "loss": t.loss}
+    kept = {k: saved[k] for k, v in asked.items() if v == "auto" and (saved or {}).get(k)}
+    compile = t.compile if compile is None else compile
+    how = dict(fsdp=fsdp, compiled=compile and not fsdp)  # FSDP2: blocks compiled, loss eager
+
+    def choose() -> Choices:
+        try:
+            out = decide(info.device, shapes, **{**asked, **kept}, **how)
+        except UserError:
+            if not kept:
+                raise
+            out = decide(info.device, shapes, **asked, **how)
+            out.warnings.append(
+                f"the checkpoint's speed choices {kept} cannot run on this device; decided again"
+            )
+            return out
+        out.how.update(dict.fromkeys(kept, "checkpoint"))
+        return out
+
+    out = dist.from_main(info, choose)
+    if muon:
+        start = time.perf_counter()
+        split = decide_muon_split(info, muon_split(model, 0.0)[0], o, out, fsdp, saved)
+        out.muon_split, out.how["muon_split"], out.split_ms = split
+        out.seconds += time.perf_counter() - start
+    return out
 
 
 def attention_kernel(choice: str, measured: str) -> str:

@@ -1,6 +1,6 @@
-"""Measured speed choices: `train.dtype = auto`, `train.attention = auto`, `optim.muon_dtype =
-auto` and `optim.muon_split = auto`, decided by timing this run's own shapes on this device at
-start-up, cached per machine.
+"""Measured speed choices: `train.dtype`, `train.attention`, `train.loss`, `optim.muon_dtype` and
+`optim.muon_split` = auto, decided by timing this run's own shapes on this device at start-up,
+cached per machine.
 
 What is timed (only what the config leaves to auto; an explicit value always wins, untimed):
 
@@ -18,6 +18,11 @@ What is timed (only what the config leaves to auto; an explicit value always win
   sequences), on a GPU to GPU_BLOCK_FLOPS (GPT-2 124M: 37 of 64), and a GPU that runs out of
   memory even so keeps the rule, with a warning; matmul is a candidate only while the
   probabilities it keeps for backward, for all layers, stay under MATMUL_MEMORY.
+- loss: the output head's loss, forward + backward, chunked vs full logits (model/losses.py), in
+  the chosen dtype, compiled where the run compiles its loss, on at least one chunk's rows (at
+  most BLOCK_FLOPS, GPU_BLOCK_FLOPS beyond it); chunked unless full is clearly faster. On a GPU
+  chunked by rule where the full logits (FULL_LOGITS_BYTES each) would take over
+  LOGITS_MEMORY_SHARE of the free memory.
 - muon: one Newton-Schulz orthogonalisation of each distinct Muon matrix shape, bf16 vs float32.
 - muon-split (DDP with 2+ ranks only): one Muon step's orthogonalisations of all the run's Muon
   matrices in the chosen Muon dtype, every rank all of them (redundant) vs each on its owner rank
@@ -38,6 +43,7 @@ import torch
 
 from gptrain.distributed import parallelize
 from gptrain.errors import UserError
+from gptrain.model.losses import chunk_rows
 from gptrain.training.precision import (
     DTYPES,
     auto_cuda_dtype,
@@ -51,6 +57,7 @@ from gptrain.training.timing import (
     block_flops,
     block_run,
     default_cache_path,
+    loss_run,
     machine,
     matmul_run,
     muon_step_run,
@@ -68,6 +75,10 @@ BLOCK_FLOPS = 8e9  # CPU: the most FLOPs one timed block run may take (~60 ms in
 # memory: GPT-2 124M's block at 64 x 1024 tokens would hold ~7 GB of float32 activations
 GPU_BLOCK_FLOPS = 2e12
 MATMUL_MEMORY = 2**30  # bytes of probabilities matmul attention may keep for backward
+# the full loss at its peak: the logits, their float32 log-probabilities (kept for backward), and
+# in backward their float32 gradient, 4 bytes each (float32 logits; bf16 ones leave room for its
+# copies); a GPU takes it only while that is at most this share of its free memory
+FULL_LOGITS_BYTES, LOGITS_MEMORY_SHARE = 12, 0.25
 SPLIT = "muon-split"  # the cache's kind of the Muon step's timings, split vs redundant
 
 
@@ -84,6 +95,8 @@ class Shapes:
     bias: bool = True
     muon: tuple[tuple[int, int], ...] = ()  # distinct shapes of the Muon matrices
     ns_steps: int = 5
+    vocab: int = 0  # the output head's real and padded vocabulary (0: no loss to time)
+    padded_vocab: int = 0
 
 
 @dataclass
@@ -94,11 +107,14 @@ class Choices:
     attention: str
     muon_dtype: str | None  # None: the run has no Muon
     muon_split: str | None = None  # split or redundant; None: the run has no Muon
+    loss: str | None = None  # chunked or full; None: not decided here
     how: dict = field(default_factory=dict)
     block_ms: dict = field(default_factory=dict)  # "dtype/kernel" -> ms per forward + backward
     block_tokens: tuple = ()  # (sequences, seq_len) of the timed block
     muon_ms: dict = field(default_factory=dict)  # dtype -> ms for one matrix of each shape
     split_ms: dict = field(default_factory=dict)  # split/redundant -> ms of a Muon step's work
+    loss_ms: dict = field(default_factory=dict)  # chunked/full -> ms of the head's loss fwd+bwd
+    loss_rows: int = 0  # rows of the timed loss
     bf16_ratio: float | None = None  # bf16 / float32 matmul time (None: not probed)
     seconds: float = 0.0  # wall time spent deciding
     warnings: list = field(default_factory=list)
@@ -109,7 +125,7 @@ class Choices:
 
     def decisions(self) -> dict:
         """What a checkpoint records, so that a resumed run computes the same way."""
-        keys = ("dtype", "attention", "muon_dtype", "muon_split")
+        keys = ("dtype", "attention", "muon_dtype", "muon_split", "loss")
         return {k: getattr(self, k) for k in keys}
 
     def as_dict(self) -> dict:
@@ -126,6 +142,12 @@ class Choices:
         if self.block_ms:
             n, t = self.block_tokens
             parts[-1] += f" [one block fwd+bwd of {n}x{t} tokens: {ms(self.block_ms)}]"
+        if self.loss:
+            parts.append(f"train.loss={self.loss} ({self.how['loss']})")
+            if self.loss_ms:
+                parts[-1] += (
+                    f" [the head's loss fwd+bwd of {self.loss_rows} rows: {ms(self.loss_ms)}]"
+                )
         if self.muon_dtype:
             parts.append(f"optim.muon_dtype={self.muon_dtype} ({self.how['muon_dtype']})")
             if self.muon_ms:
@@ -146,13 +168,16 @@ def decide(
     dtype: str = "auto",
     attention: str = "auto",
     muon_dtype: str | None = None,
+    loss: str | None = None,
     *,
     fsdp: bool = False,
+    compiled: bool = False,
     timer=None,
     cache_path: Path | None | bool = True,
 ) -> Choices:
-    """The run's dtype, attention kernel and (muon_dtype not None) Muon dtype; explicit values are
-    kept untimed. `timer(label, fn, rival) -> seconds` times a candidate (default: Clock(); its
+    """The run's dtype, attention kernel, (muon_dtype not None) Muon dtype and (loss not None) loss
+    path, timed compiled when `compiled` (the run compiles its loss); explicit values are kept
+    untimed. `timer(label, fn, rival) -> seconds` times a candidate (default: Clock(); its
     crowding(), when it has one, decides whether the timings may be cached);
     cache_path True: the gptrain cache, None/False: no cache. A UserError for optim.muon_dtype =
     bfloat16 where bf16 is not native."""
@@ -189,6 +214,7 @@ def decide(
     if len(dtypes) == 1 and out.how["dtype"] == "measured":
         out.how["dtype"] = no_bf16
     _decide_muon(device, shapes, muon_dtype, native, measure, out, no_bf16)
+    _decide_loss(device, shapes, loss, compiled, measure, out)
     if measure.hits and all(measure.hits):
         out.how = {k: v.replace("measured", "cached") for k, v in out.how.items()}
     measure.save_unless_crowded(timer, cuda)
@@ -301,60 +327,36 @@ def _decide_muon(device, s: Shapes, muon_dtype, native: bool, measure, out: Choi
         out.how["muon_dtype"] = "config"
 
 
-def for_run(
-    cfg, info, model, dtype: str, fsdp: bool = False, saved: dict | None = None, mb: int = 0
-) -> Choices:
-    """decide() for a run: cfg (a config.Config) and its built `model` give the shapes (the
-    micro-batch a CPU uses, the model's block, its Muon matrices), `dtype` is train.dtype (bench
-    passes its own), `fsdp` whether it shards. Decided on the main process; every rank gets the
-    same Choices. `saved`: the decisions a resumed checkpoint recorded (Choices.decisions()); a
-    resumed run keeps them for every key still auto, so that it computes exactly as before
-    whatever the cache holds (how: "checkpoint"), unless this device cannot run one of them (bf16
-    Muon where bf16 is emulated): then it decides afresh, with a warning."""
-    from gptrain.distributed import runtime as dist
-    from gptrain.training import batch
-    from gptrain.training.optim import muon_split
-
-    c, t, o = model.config, cfg.train, cfg.optim
-    muon = o.name == "muon"
-    matrices = {tuple(p.shape) for p in muon_split(model, 0.0)[0]} if muon else set()
-    mb = mb or batch.plan(t, info.world_size)[0]  # what a CPU uses, a GPU tries first
-    shapes = Shapes(
-        mb,
-        t.seq_len,
-        c.n_layer,
-        c.n_embd,
-        c.n_head,
-        c.gelu,
-        c.bias,
-        tuple(sorted(matrices)),
-        o.muon_ns_steps,
-    )
-    muon_dtype = o.muon_dtype if muon else None
-    asked = {"dtype": dtype, "attention": t.attention, "muon_dtype": muon_dtype}
-    kept = {k: saved[k] for k, v in asked.items() if v == "auto" and (saved or {}).get(k)}
-
-    def choose() -> Choices:
-        try:
-            out = decide(info.device, shapes, **{**asked, **kept}, fsdp=fsdp)
-        except UserError:
-            if not kept:
-                raise
-            out = decide(info.device, shapes, **asked, fsdp=fsdp)
-            out.warnings.append(
-                f"the checkpoint's speed choices {kept} cannot run on this device; decided again"
-            )
-            return out
-        out.how.update(dict.fromkeys(kept, "checkpoint"))
-        return out
-
-    out = dist.from_main(info, choose)
-    if muon:
-        start = time.perf_counter()
-        split = decide_muon_split(info, muon_split(model, 0.0)[0], o, out, fsdp, saved)
-        out.muon_split, out.how["muon_split"], out.split_ms = split
-        out.seconds += time.perf_counter() - start
-    return out
+def _decide_loss(device, s: Shapes, loss, compiled: bool, measure, out: Choices) -> None:
+    """out.loss (loss None: left None): as asked, or for auto chunked unless full is clearly
+    faster on the run's head and loss, timed where a GPU has the memory for the full logits."""
+    if loss != "auto":
+        out.loss = loss
+        out.how.update({"loss": "config"} if loss else {})
+        return
+    cuda, total = device.startswith("cuda"), s.micro_batch * s.seq_len
+    out.loss, need = "chunked", total * s.padded_vocab * FULL_LOGITS_BYTES
+    if cuda and need > LOGITS_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
+        out.how["loss"] = f"rule: the full logits need {need / 2**30:.1f} GiB, over {LOGITS_MEMORY_SHARE:.0%} of free memory"  # fmt: skip
+        return
+    chunk = chunk_rows(total, s.padded_vocab, None, compiled)
+    most = (GPU_BLOCK_FLOPS if cuda else BLOCK_FLOPS) / (6 * s.n_embd * s.padded_vocab)
+    rows, paths = min(total, max(chunk, int(most))), ["chunked", "full"]
+    makes = {p: partial(loss_run, device, s, rows, chunk, out.dtype, p, compiled) for p in paths}
+    shape = [rows, chunk, s.n_embd, s.vocab, s.padded_vocab, out.dtype, compiled]
+    if cuda:  # TF32 changes float32's time
+        shape.append(bool(torch.backends.cuda.matmul.allow_tf32))
+    try:
+        times = measure("loss", shape, makes, rounds=2)
+    except torch.cuda.OutOfMemoryError:
+        if not cuda:
+            raise
+        torch.cuda.empty_cache()
+        out.how["loss"] = "rule: its timing ran out of memory"
+        out.warnings.append(f"timing the loss on {rows} rows ran out of GPU memory; train.loss = auto is chunked")  # fmt: skip
+        return
+    out.loss_ms, out.loss_rows = {p: t * 1e3 for p, t in times.items()}, rows
+    out.loss, out.how["loss"] = _pick(times, paths), "measured"
 
 
 def decide_muon_split(

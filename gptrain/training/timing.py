@@ -59,6 +59,7 @@ NAMES = {  # every candidate name a cache entry of each kind may hold
     "block": {f"{d}/{k}" for d in _DTYPES for k in ("sdpa", "matmul")},
     "muon": {"float32", "bfloat16"},
     "muon-split": {"split", "redundant"},
+    "loss": {"chunked", "full"},
     "peak": set(_DTYPES),  # not seconds: the measured peak FLOP/s of that dtype
 }
 
@@ -373,4 +374,37 @@ def block_run(device: str, s, n: int, combo: str):
         y.float().sum().backward()
         synchronize(device)
 
+    return run
+
+
+def loss_run(device: str, s, rows: int, chunk: int, dtype: str, path: str, compiled: bool):
+    """The run of the output head's loss, forward + backward, on `rows` rows of width s.n_embd
+    against s.vocab (padded to s.padded_vocab) under `dtype`'s autocast, by `path` (chunked, in
+    chunks of `chunk` rows, or full: gptrain/model/losses.py); `compiled`: through torch.compile,
+    as a compiled model runs it (compiled here, before the timing)."""
+    from gptrain.model.losses import full_cross_entropy, linear_cross_entropy
+
+    gen = _generator(device)
+    x = torch.randn(rows, s.n_embd, device=device, generator=gen, requires_grad=True)
+    w = torch.randn(s.padded_vocab, s.n_embd, device=device, generator=gen) * 0.02
+    w.requires_grad_()
+    t = torch.randint(0, s.vocab, (rows,), device=device, generator=gen)
+    autocast, _ = mixed_precision(DTYPES[dtype], torch.device(device).type)
+
+    def loss(x, w, t):
+        if path == "full":
+            return full_cross_entropy(x, w, t, s.vocab)
+        return linear_cross_entropy(x, w, t, s.vocab, chunk)
+
+    fn = torch.compile(loss, dynamic=False) if compiled else loss
+
+    def run():
+        x.grad = w.grad = None
+        with autocast:
+            out = fn(x, w, t)
+        out.backward()
+        synchronize(device)
+
+    if compiled:
+        run()  # the compilation, outside the timing
     return run
