@@ -31,9 +31,10 @@ from gptrain.distributed import runtime as dist
 from gptrain.distributed.failures import ReplicaMismatch
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# elements per pass: on a CPU a slice that stays in cache (the int64 work buffer: 512 KB), on a
+# elements per pass: on a CPU a slice that stays in cache (the int64 work buffer: 256 KB) and is
+# too small for torch to split it over threads (no waits between threads of a busy CPU); on a
 # GPU fewer, larger passes (32 MB)
-_CHUNK = {"cpu": 1 << 16, "cuda": 1 << 22}
+_CHUNK = {"cpu": 1 << 15, "cuda": 1 << 22}
 
 
 class _Work:
