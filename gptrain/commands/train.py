@@ -15,6 +15,11 @@ At each step boundary the loop asks gptrain/training/guards.py whether a rank wa
 saves and exits 0) and, on steps that sync anyway, applies the non-finite policy. A step that both
 saves and evaluates writes its checkpoint first. What happens before the loop and on its
 logging, eval and checkpoint steps is in gptrain/training/run.py, one named function per phase.
+
+The main process holds run.dir's lock throughout. Any exception leaving the loop publishes a
+pending background save first (unless a peer cannot join in). A start that finds the run at its
+end but not finished (killed after its last checkpoint: in the final evaluation, or before
+summary.json) completes it, as the uninterrupted run would have.
 """
 
 from __future__ import annotations
