@@ -75,7 +75,7 @@ def multiplier_cell(m: dict, ladder: bool) -> str:
         where = {">": "below the baseline's final loss", "<": "above the baseline's final loss"}
     if m["bound"] is not None:
         return f"{m['bound']} {_x(m['value'])}{_p(m['p'])} ({where[m['bound']]})"
-    ci = "" if m["ci"] is None else f" [{_x(m['ci'][0]).rstrip('×')}, {_x(m['ci'][1])}]"
+    ci = "" if m["ci"] is None else f" [{_x(m['ci'][0])}, {_x(m['ci'][1])}]"
     return f"{_x(m['value'])}{ci}"
 
 
