@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from gptrain.cache import atomic_write_bytes
-from gptrain.checkpoint.lock import RunLock
+from gptrain.checkpoint.manager import RunLock
 from gptrain.commands.race_plan import (
     PLAN,
     Args,
