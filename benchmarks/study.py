@@ -1,13 +1,15 @@
 """The token-efficiency study (docs/study.md): the recipe (Muon + wsd), its ablation (AdamW + wsd)
 and llm.c's AdamW baseline, tuned alike, raced on two corpora at two sizes and two horizons.
 
-    python benchmarks/study.py plan      # the cells, their runs and the projected hours
-    python benchmarks/study.py measure   # tokens/s of each size on this machine (~10 s each)
+    python benchmarks/study.py plan      # the cells, their runs and the projected CPU hours
+    python benchmarks/study.py measure   # each size's tokens per CPU second here (~15 s each)
     python benchmarks/study.py run       # data, tuning, races: resumable, run it again after a stop
     python benchmarks/study.py report    # each race's table, and where its race.json is
 
-Options: --out DIR (default studies/main), --corpora prose,code, --stages data,tune,race,
---seeds 3, --ladder 1,1.5,2,3, --budget 16 (tuning trials per arm), --cap 4.
+Options: --out DIR (default studies/main), --data DIR (default data/study), --corpora prose,code,
+--stages data,tune,race, --seeds 3, --ladder 1,1.5,2,3, --budget 16 (tuning trials per arm),
+--cap 4, --jobs 2 (the two corpora side by side, one thread each: on 2 cores two one-thread runs
+of these small models do more than one two-thread run).
 
 The cells, in the order they run (cheapest first, so that a study stopped part-way has whole
 cells): for each corpus, the small model at ~20 tokens per parameter in its blocks (compute-
@@ -35,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,52 +111,58 @@ def tune_cell(corpus: str) -> Cell:
     return Cell(corpus, SIZES["small"], 1)
 
 
-def run_seconds(cell: Cell, tok_s: float, multiple: float = 1.0) -> float:
-    """One run's projected seconds: training plus its evaluations (eval.tokens each)."""
+def run_seconds(cell: Cell, speed: dict, multiple: float = 1.0) -> float:
+    """One run's projected CPU seconds: its start-up, training, and evaluations (eval.tokens
+    each), at `speed` (a size's measured tok_per_cpu_s and start_cpu_s)."""
     tokens = cell.steps * multiple * batch_tokens()
     evals = int(cell.steps * multiple) // max(1, cell.steps // EVALS) + 1
     eval_tokens = load_config(str(BASE)).eval.tokens
-    return (tokens + evals * eval_tokens * EVAL_COST) / tok_s
+    work = tokens + evals * eval_tokens * EVAL_COST
+    return speed["start_cpu_s"] + work / speed["tok_per_cpu_s"]
 
 
-def plan_rows(args, tok_s: dict[str, float]) -> list[dict]:
-    """Each stage's runs and projected hours at the measured tokens/s."""
+def plan_rows(args, speeds: dict[str, dict]) -> list[dict]:
+    """Each stage's runs and projected CPU seconds (None where its size is not measured)."""
     rows, ladder = [], [float(m) for m in args.ladder.split(",")]
     for corpus in args.corpora:
         cell = tune_cell(corpus)
-        n = len(ARMS) * args.budget
-        s = n * run_seconds(cell, tok_s[cell.size.name]) if cell.size.name in tok_s else None
+        n, speed = len(ARMS) * args.budget, speeds.get(cell.size.name)
+        s = n * run_seconds(cell, speed) if speed else None
         rows.append({"stage": "tune", "cell": cell, "runs": f"{n} (+ up to {len(ARMS) * args.cap})", "s": s})  # fmt: skip
     for cell in cells(args.corpora):
-        runs = args.seeds * (len(ladder) + len(ARMS) - 1)
-        s = None
-        if cell.size.name in tok_s:
-            per_seed = sum(run_seconds(cell, tok_s[cell.size.name], m) for m in ladder)
-            per_seed += (len(ARMS) - 1) * run_seconds(cell, tok_s[cell.size.name])
-            s = args.seeds * per_seed
+        runs, speed, s = (
+            args.seeds * (len(ladder) + len(ARMS) - 1),
+            speeds.get(cell.size.name),
+            None,
+        )
+        if speed:
+            per_seed = sum(run_seconds(cell, speed, m) for m in ladder)
+            s = args.seeds * (per_seed + (len(ARMS) - 1) * run_seconds(cell, speed))
         rows.append({"stage": "race", "cell": cell, "runs": str(runs), "s": s})
     return rows
 
 
 def plan(args) -> int:
     measured = read_throughput(args.out)
-    tok_s = {k: v["tok_per_s"] for k, v in measured.get("sizes", {}).items()}
-    print("| stage | cell | blocks' params | tokens per run (1x) | runs | projected hours |")
+    speeds = measured.get("sizes", {})
+    print("| stage | cell | blocks' params | tokens per run (1x) | runs | projected CPU hours |")
     print("|---|---|---:|---:|---:|---:|")
-    total = 0.0
-    for row in plan_rows(args, tok_s):
+    per_corpus: dict[str, float] = {}
+    for row in plan_rows(args, speeds):
         c = row["cell"]
         hours = "not measured" if row["s"] is None else f"{row['s'] / 3600:.2f}"
-        total += row["s"] or 0.0
+        per_corpus[c.corpus] = per_corpus.get(c.corpus, 0.0) + (row["s"] or 0.0)
         print(f"| {row['stage']} | {c.name} | {c.size.block_params:,} | {c.steps * batch_tokens():,} | {row['runs']} | {hours} |")  # fmt: skip
-    if tok_s:
-        where = measured["machine"]
-        print(f"\nprojected total: {total / 3600:.1f} hours on {where} (tokens/s: "
-              + ", ".join(f"{k} {v:,.0f}" for k, v in tok_s.items()) + ")")  # fmt: skip
-    else:
+    if not speeds:
         print(
-            f"\nno tokens/s measured yet: run `python benchmarks/study.py measure --out {args.out}`"
+            f"\nno tokens/s measured yet: run python benchmarks/study.py measure --out {args.out}"
         )
+        return 0
+    total, wall = sum(per_corpus.values()), max(per_corpus.values())
+    rates = ", ".join(f"{k} {v['tok_per_cpu_s']:,.0f}" for k, v in speeds.items())
+    print(f"\nprojected: {total / 3600:.1f} CPU hours (one thread per run); {wall / 3600:.1f} hours "
+          f"with --jobs {len(per_corpus)} (one corpus per core, nothing else running) on "
+          f"{measured['machine']}, {measured['date']} (tokens per CPU second: {rates})")  # fmt: skip
     return 0
 
 
@@ -187,9 +196,22 @@ def steady_rate(run_dir: Path) -> dict:
     return {"tok_per_s": tokens / seconds, "tokens": tokens, "train_s": seconds, "steps": len(rows)}
 
 
+def timed_run(cmd: list[str]) -> tuple[int, float, float]:
+    """(exit code, wall seconds, CPU seconds) of a child process on one thread."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, time.perf_counter() - t0, usage.ru_utime + usage.ru_stime
+
+
 def measure(args) -> int:
-    """Each size's training tokens/s over ~`seconds` of a baseline run (after start-up)."""
-    data = args.data_dir or str(DATA / f"{args.corpora[0]}-tune")
+    """Each size's training tokens per CPU second on one thread (~`seconds` of a baseline run
+    after start-up), and its start-up's CPU seconds: the share of a core the run had (its CPU
+    time over its wall time) turns wall-clock rates into CPU rates, so other jobs on the machine
+    move the numbers less."""
+    data = args.data_dir or str(args.data / f"{args.corpora[0]}-tune")
     if not Path(data, "manifest.json").is_file():
         raise UserError(f"{data} is not prepared; run python benchmarks/study_data.py first (or pass --data-dir)")  # fmt: skip
     sizes, load = {}, os.getloadavg()[0]
@@ -200,13 +222,22 @@ def measure(args) -> int:
         cmd += [f"--train.time_budget={args.seconds}s", "--train.max_steps=100000"]
         cmd += ["--eval.every=0", "--eval.tokens=8192", "--checkpoint.every=0", "--log.every=1"]
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: no resume of an earlier one
-        if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
+        code, wall, cpu = timed_run(cmd)
+        if code != 0:
             raise UserError(f"the measuring run {run_dir} failed (its output is above)")
-        sizes[size.name] = steady_rate(run_dir)
-        print(f"study: {size.name}: {sizes[size.name]['tok_per_s']:,.0f} tok/s", file=sys.stderr)
+        rate = steady_rate(run_dir)
+        share = min(1.0, cpu / wall)
+        train_s = json.loads((run_dir / "summary.json").read_text())["train_s"]
+        sizes[size.name] = rate | {
+            "cpu_share": share,
+            "tok_per_cpu_s": rate["tok_per_s"] / share,
+            "start_cpu_s": max(0.0, cpu - train_s * share),
+        }
+        print(f"study: {size.name}: {rate['tok_per_s']:,.0f} tok/s with {share:.2f} of a core", file=sys.stderr)  # fmt: skip
     record = {
         "machine": machine(),
         "date": datetime.date.today().isoformat(),
+        "threads": 1,
         "load_average_before": load,
         "load_average_after": os.getloadavg()[0],
         "sizes": sizes,
@@ -291,7 +322,39 @@ def run_race(args, cell: Cell) -> bool:
     return True
 
 
+def run_parallel(args) -> int:
+    """One `run` process per corpus at a time, each on one thread (OMP_NUM_THREADS=1), its output
+    in OUT/logs/run-<corpus>.log; the corpora's folders are disjoint."""
+    if "data" in args.stages.split(","):
+        prepare_data(args)
+    stages = ",".join(s for s in args.stages.split(",") if s != "data") or "none"
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    running = []
+    for corpus in args.corpora:
+        cmd = [sys.executable, __file__, "run", "--jobs", "1", "--corpora", corpus]
+        cmd += ["--stages", stages, "--out", str(args.out), "--data", str(args.data)]
+        cmd += ["--seeds", str(args.seeds), "--ladder", args.ladder]
+        cmd += ["--budget", str(args.budget), "--cap", str(args.cap)]
+        log = args.out / "logs" / f"run-{corpus}.log"
+        with open(log, "a") as f:
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            running.append((corpus, log, subprocess.Popen(cmd, stdout=f, stderr=f, env=env)))
+        print(f"study: {corpus}: running, its output in {log}", file=sys.stderr)
+    try:
+        failed = [(c, log) for c, log, proc in running if proc.wait() != 0]
+    finally:
+        for _, _, proc in running:  # stopped: each part resumes next time
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+    if failed:
+        raise UserError(f"the {failed[0][0]} part failed: see the end of {failed[0][1]}")
+    return report(args)
+
+
 def run(args) -> int:
+    if args.jobs > 1 and len(args.corpora) > 1:
+        return run_parallel(args)
     stages = args.stages.split(",")
     if "data" in stages:
         prepare_data(args)
@@ -326,6 +389,9 @@ def parse_args(argv: list[str]):
     ap.add_argument("--data", type=Path, default=DATA, help="study_data.py's --out")
     ap.add_argument("--corpora", default="prose,code", help="comma-separated: prose, code")
     ap.add_argument("--stages", default="data,tune,race", help="run: comma-separated stages")
+    ap.add_argument(
+        "--jobs", type=int, default=2, help="run: 2 runs the corpora side by side, one thread each"
+    )
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--ladder", default="1,1.5,2,3", help="the baseline's step multiples")
     ap.add_argument("--budget", type=int, default=16, help="tuning trials per arm")
