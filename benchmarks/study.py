@@ -416,6 +416,9 @@ def main(argv: list[str]) -> int:
     except UserError as e:
         print(f"study: {first_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("study: stopped; run the same command to continue", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

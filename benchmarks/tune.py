@@ -416,3 +416,6 @@ if __name__ == "__main__":
     except UserError as e:
         print(f"tune: {first_line(e)}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("tune: stopped; run the same command to continue", file=sys.stderr)
+        sys.exit(130)
