@@ -20,14 +20,16 @@
 The race is frozen at its start: DIR/plan.json holds each config as resolved (file + overrides),
 and each run is `gptrain train --config DIR/<config>/config.toml --train.seed=K
 --run.dir=DIR/<config>/seed_K`, that config.toml written from the plan (a config file edited
-mid-race changes nothing; the next command naming it is refused). The runs are
-trained in this process one after another (its output goes to stderr); on a machine with several
-GPUs, when every run is one process, one run per GPU at a time (subprocesses, CUDA_VISIBLE_DEVICES).
+mid-race changes nothing; the next command naming it is refused). The runs are trained in this
+process one after another (their output goes to stderr); on a machine with several GPUs, when
+every run is one process, one run per GPU at a time (subprocesses, CUDA_VISIBLE_DEVICES, each in
+its own session: SIGTERM or SIGINT to the race is passed on to them, STOP_WAIT_S at most).
 The race holds DIR's run-folder lock throughout (a second race into DIR stops with one line).
 A race stopped part-way continues when the same command runs again: every run directory resumes,
-or says it is already trained, through gptrain train's own resume. At the end: DIR/race.json
-(every run's curve and numbers, each config's statistics), DIR/race.png, and the markdown table
-on stdout. The statistics are explained in docs/race.md.
+or says it is already trained, through gptrain train's own resume; a run ending without its
+summary.json and without a signal is run once more. At the end: DIR/race.json (every run's curve
+and numbers, each config's statistics, the regime from DIR/unigram.json), DIR/race.png, and the
+markdown table on stdout. The statistics are explained in docs/race.md.
 """
 
 from __future__ import annotations
