@@ -609,13 +609,14 @@ def test_a_first_run_refused_for_bad_input_leaves_no_plan_to_refuse_the_correcte
     assert cli(argv(f"--data.dir={byte_data}")) == 0
 
 
-def test_the_plans_config_text_loads_back_equal_even_with_a_newline_in_a_string(tmp_path):
-    """configs/default.toml's sample prompt holds a newline: the plan's text keeps it escaped."""
-    from gptrain.config.load import load_config
+def test_the_resolved_config_loads_back_equal_even_with_a_newline_in_a_string(tmp_path):
+    """configs/default.toml's sample prompt holds a newline: the resolved TOML (run.dir's
+    config.toml, the race's plan) keeps it escaped."""
+    from gptrain.config.load import load_config, to_toml
 
     cfg = load_config("configs/default.toml")
     assert cfg.eval.sample_prompt == "ROMEO:\n"
     prompt = cfg.eval.sample_prompt + 'a "b"\\ c\x7f\t'  # quotes, a backslash, DEL, a tab
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, sample_prompt=prompt))
-    (tmp_path / "c.toml").write_text(race_plan.config_text(cfg))
+    (tmp_path / "c.toml").write_text(to_toml(cfg))
     assert load_config(str(tmp_path / "c.toml")) == cfg

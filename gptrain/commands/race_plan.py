@@ -14,7 +14,6 @@ at its start:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from gptrain.cache import atomic_write_bytes
 from gptrain.config.cli import parse_cli
-from gptrain.config.load import SECTIONS, Config, key_name, load_config
+from gptrain.config.load import Config, load_config, to_toml
 from gptrain.errors import UserError
 
 PLAN = "plan.json"  # the race's configs as resolved, checked when the race continues
@@ -237,7 +236,7 @@ def plan(args: Args) -> Plan:
     # seed by seed, every config in turn: a drift of the machine's speed falls on every config
     # alike, and a race stopped part-way has as many seeds of each
     jobs.sort(key=lambda j: (j.seed, labels.index(j.label)))
-    texts = {label: config_text(cfg) for label, cfg in zip(labels, cfgs, strict=True)}
+    texts = {label: to_toml(cfg) for label, cfg in zip(labels, cfgs, strict=True)}
     rungs = None
     if args.ladder:
         rungs = {label: m for label, m in zip(labels, args.ladder, strict=False)}
@@ -324,27 +323,6 @@ def check_plan(out: Path, p: Plan) -> None:
     raise UserError(
         f"--config {p.files[label]} changed since the race in {out} began ({out}/{PLAN} holds {label} as it was, also in {out}/{label}/{CONFIG}); restore the file to continue the race, or race the edited config into a new --out"
     )
-
-
-def config_text(cfg: Config) -> str:
-    """The resolved config as TOML: to_toml's text, with each string written with JSON's
-    escapes (valid in a TOML basic string), so a value holding a newline (a sample prompt)
-    loads back as it was."""
-
-    def fmt(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
-        return repr(v)
-
-    lines = []
-    for section in SECTIONS:
-        lines.append(f"[{section}]")
-        items = dataclasses.asdict(getattr(cfg, section)).items()
-        lines += [f"{key_name(k)} = {fmt(v)}" for k, v in items]
-        lines.append("")
-    return "\n".join(lines)
 
 
 def write_configs(out: Path, p: Plan) -> None:

@@ -10,6 +10,7 @@ checks and the cross-section ones. The resolved config is saved as run.dir/confi
 from __future__ import annotations
 
 import dataclasses
+import json
 import keyword
 import tomllib
 import typing
@@ -196,8 +197,8 @@ def to_toml(cfg: Config) -> str:
     def fmt(v) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, str):  # JSON's escapes are a TOML basic string's: a newline loads back
+            return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
         return repr(v)
 
     lines = []
