@@ -96,9 +96,7 @@ def _train(cfg: Config, info, watchdog: Watchdog, ledger, preemption: Preemption
             step, last_step = state.step, state.step == t.max_steps
             # at the step boundary each part says whether it is due (the last step: max_steps or
             # the time budget spent, agreed by every rank)
-            save, stop, last_step = checkpointer.due(
-                step, last_step, state.out_of_time(budget_s), preemption
-            )
+            save, stop, last_step = checkpointer.due(step, last_step, preemption)
             evals = evaluator.due(step, last_step)
             log = meter.due(step, last_step, save) or bool(evals)  # measured before them
             # steps that sync anyway: the non-finite and spike policies; rollback past a bad step
@@ -150,7 +148,7 @@ def _before_loop(run, cfg: Config, preemption: Preemption, watchdog: Watchdog, l
             if not done:
                 return _complete(run, cfg, watchdog, ledger, row)
         run.logger.text(
-            f"already trained to step {state.step} (train.max_steps = {t.max_steps}, train.time_budget = {t.time_budget!r}); raise them to continue"
+            f"already trained to step {state.step} (train.max_steps = {t.max_steps}, train.time_budget = {t.time_budget!r}); raise train.max_steps to continue (a resume keeps its time budget)"
         )
         run.close()
         return _counts(run)
@@ -330,6 +328,9 @@ def main(argv: list[str]) -> int:
     except attempts.CrashLoop as e:  # the last run.max_failed_attempts starts made no progress
         print(f"gptrain: error: {e}", file=sys.stderr)
         return attempts.EXIT_CRASH_LOOP
+    except failures.ReplicaMismatch as e:  # replicas differ: the step's checkpoint not written
+        print(f"gptrain: error: {e}", file=sys.stderr)
+        return failures.EXIT_DIVERGED
     except NonFiniteStop as e:  # train.nonfinite = stop, or train.max_skips reached
         print(f"gptrain: error: {e}", file=sys.stderr)
         return 1

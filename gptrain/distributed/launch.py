@@ -27,7 +27,8 @@ from gptrain.distributed.store import Host
 from gptrain.errors import UserError, first_line
 
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # torchrun's defaults + USR1
-HUNG, CRASH_LOOP = 3, 4  # the workers' exit codes: watchdog.EXIT_CODE, attempts.EXIT_CRASH_LOOP
+# the workers' exit codes: watchdog.EXIT_CODE, attempts.EXIT_CRASH_LOOP, failures.EXIT_DIVERGED
+HUNG, CRASH_LOOP, DIVERGED = 3, 4, 5
 ELASTIC_RESTARTS = 100  # an elastic job's worker-group restarts (a lost node costs one; the
 # restart ledger's crash-loop stop, exit 4, ends a real crash loop long before)
 
@@ -241,7 +242,7 @@ def launch(nproc: int, argv: list[str], cfg: DistConfig) -> int:
             f"gptrain: error: worker rank {ranks} failed (exit code {', '.join(map(str, codes))})",
             file=sys.stderr,
         )
-        for code in (CRASH_LOOP, HUNG):  # the others were stopped by the launcher: any code
+        for code in (CRASH_LOOP, DIVERGED, HUNG):  # the others were stopped by the launcher
             if code in codes:
                 return code
         return 2 if codes == [2] else 1

@@ -40,6 +40,7 @@ from gptrain.cache import atomic_write_bytes
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.sections import RunConfig
 from gptrain.distributed import runtime as dist
+from gptrain.distributed.failures import EXIT_DIVERGED, ReplicaMismatch
 from gptrain.distributed.watchdog import EVAL_PHASES
 from gptrain.errors import UserError, first_line
 from gptrain.training.guards import NonFiniteStop
@@ -188,6 +189,8 @@ class Ledger:
             self._end("bad input", 2, first_line(e))
         elif isinstance(e, KeyboardInterrupt):
             self._end("interrupted", 130)
+        elif isinstance(e, ReplicaMismatch):
+            self._end("diverged", EXIT_DIVERGED, first_line(e))
         else:
             self._end("stopped" if isinstance(e, NonFiniteStop) else "error", 1, first_line(e))
 

@@ -76,15 +76,6 @@ class Preemption:
         """Collective (every rank, every step): True when any rank received a signal."""
         return dist.any_rank(self.received is not None)
 
-    def agreed_with(self, *due: bool) -> tuple[bool, ...]:
-        """`agreed()` and, for each flag, whether it holds on any rank (a time-based save or the
-        time budget, by any rank's clock), in one all-reduce of a small CPU tensor, so every
-        rank decides the same."""
-        flags = torch.tensor([self.received is not None, *due], dtype=torch.int32)
-        if dist.active():
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        return tuple(bool(f) for f in flags)
-
 
 class NonFiniteStop(Exception):
     """train.nonfinite = stop (or max_skips reached): the run ends without saving anything new."""

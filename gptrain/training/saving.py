@@ -42,7 +42,7 @@ class Checkpointer:
         self.pending: checkpoint.Pending | None = None  # a background save not yet published
         self._saved_at = time.monotonic()
 
-    def due(self, step: int, last_step: bool, out_of_time: bool, preemption: Preemption):
+    def due(self, step: int, last_step: bool, preemption: Preemption):
         """Collective: (save now, stop now, last step). One tiny all-reduce (TrainState.agree)
         agrees on a stop signal, checkpoint.every_minutes by any rank's clock and the training
         time (the maximum over the ranks); the time budget is then read from that agreed time,
