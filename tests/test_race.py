@@ -444,6 +444,37 @@ def test_a_run_ending_without_its_summary_is_run_once_more_and_a_signalled_one_s
     assert "ended twice without writing summary.json" in capsys.readouterr().err
 
 
+def test_a_signal_at_a_runs_end_stops_the_race_after_that_run(
+    configs, byte_data, tmp_path, monkeypatch, capsys, sigterm_kept
+):
+    """SIGTERM in seed 1's final evaluation: the run finishes (its last step), and the race
+    stops there instead of starting seed 2; the same command then continues with seed 2."""
+    from gptrain.training.meter import Meter
+
+    out, calls, report, in_process = tmp_path / "race", [], Meter.report, race_cmd._train_in_process
+    argv = ["race", "--config", configs[0], "--seeds", "2", "--out", str(out)]
+    argv += [f"--data.dir={byte_data}", *FAST]
+
+    def train(argv_run):
+        calls.append(argv_run[-1].rsplit("/", 1)[1])
+        return in_process(argv_run)
+
+    def report_or_signal(self, step, m):
+        if calls == ["seed_1"] and step == self.max_steps:
+            os.kill(os.getpid(), signal.SIGTERM)
+        report(self, step, m)
+
+    monkeypatch.setattr(race_cmd, "_train_in_process", train)
+    monkeypatch.setattr(Meter, "report", report_or_signal)
+    assert cli(argv) == 0
+    err = capsys.readouterr().err
+    assert calls == ["seed_1"] and (out / "debug" / "seed_1" / "summary.json").is_file()
+    assert "a signal (SIGTERM) reached it at its end" in err and not (out / "race.json").exists()
+    monkeypatch.setattr(Meter, "report", report)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert cli(argv) == 0 and calls[-1] == "seed_2" and (out / "race.json").is_file()
+
+
 def test_a_signal_to_a_race_on_several_gpus_stops_its_runs_in_progress(
     configs, byte_data, tmp_path, monkeypatch, capsys, sigterm_kept
 ):
@@ -558,6 +589,7 @@ def test_with_several_gpus_the_runs_go_one_per_gpu_as_subprocesses(
         ("plan not JSON", "is not a race's plan (not JSON: "),
         ("plan not an object", "is not a race's plan (not an object whose configs map"),
         ("plan of no configs", "is not a race's plan (not an object whose configs map"),
+        ("plan a folder", "is not a race's plan (not JSON: "),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_written(
@@ -585,7 +617,10 @@ def test_bad_input_is_one_line_and_nothing_is_written(
     elif case.startswith("plan"):
         out.mkdir()
         text = {"plan not JSON": "{not json", "plan not an object": "[1, 2]"}
-        (out / "plan.json").write_text(text.get(case, '{"configs": {"debug": 1}}'))
+        if case == "plan a folder":
+            (out / "plan.json").mkdir()
+        else:
+            (out / "plan.json").write_text(text.get(case, '{"configs": {"debug": 1}}'))
     before = listing(tmp_path)
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()

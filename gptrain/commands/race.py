@@ -143,10 +143,18 @@ def _run_in_process(job: Job) -> int:
 def unfinished(job: Job, code: int, again: bool) -> bool:
     """Whether a run that exited with `code` is to run once more: it exited 0 without writing
     summary.json, not stopped by a signal, for the first time. Stopped by a signal, or for the
-    second time: Stopped (the race stops, to continue next time)."""
-    if code != 0 or (job.run_dir / "summary.json").is_file():
+    second time: Stopped (the race stops, to continue next time). A run that finished although a
+    signal reached it (in its last step, its final evaluation or its summary) stops the race
+    too: the signal was meant for the race."""
+    if code != 0:
         return False
     runs = attempts.read(job.run_dir)
+    if (job.run_dir / "summary.json").is_file():
+        if runs and runs[-1]["signal"] is not None:
+            raise Stopped(
+                f"{job.run_dir} finished, but a signal ({runs[-1]['signal'].get('signal', '?')}) reached it at its end; run the same command to continue the race"
+            )
+        return False
     if runs and attempts.outcome(runs[-1]) in ("preempted", "interrupted"):
         raise Stopped(
             f"{job.run_dir} was stopped by a signal (its checkpoint is saved); run the same command to continue the race"

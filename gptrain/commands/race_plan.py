@@ -304,9 +304,9 @@ def check_plan(out: Path, p: Plan) -> None:
     """A folder that holds a race of other configs, or of the same files edited since, is
     refused: its runs would continue the old ones under the same names."""
     path = out / PLAN
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return
-    theirs = read_plan(path)
+    theirs = read_plan(path)  # a folder or a dangling link there: one line too
     old = theirs["configs"]
     if list(old) != p.labels:
         raise UserError(
