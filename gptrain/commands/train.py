@@ -147,8 +147,14 @@ def _before_loop(run, cfg: Config, preemption: Preemption, watchdog: Watchdog, l
             row, done = dist.from_main(run.info, lambda: _ended(cfg.run.dir, state))
             if not done:
                 return _complete(run, cfg, watchdog, ledger, row)
+        spent = state.out_of_time(duration_s(t.time_budget))
+        more = (
+            "its time budget is spent and a resume keeps it: train further in a new run.dir"
+            if spent
+            else "raise train.max_steps to continue"
+        )
         run.logger.text(
-            f"already trained to step {state.step} (train.max_steps = {t.max_steps}, train.time_budget = {t.time_budget!r}); raise train.max_steps to continue (a resume keeps its time budget)"
+            f"already trained to step {state.step} (train.max_steps = {t.max_steps}, train.time_budget = {t.time_budget!r}); {more}"
         )
         run.close()
         return _counts(run)

@@ -369,7 +369,7 @@ def finish(run: Run, cfg: Config) -> dict:
         if budget_s and state.step >= cfg.train.max_steps and not state.out_of_time(budget_s):
             run.logger.text(
                 f"warning: train.max_steps = {cfg.train.max_steps} came first, after {state.train_s:.1f} s of train.time_budget = {cfg.train.time_budget!r}: "
-                "the lr schedule followed the steps to min_lr; raise train.max_steps for the budget to end the run"
+                "the lr schedule followed the steps to min_lr; next time, a larger train.max_steps lets the budget end the run (in a new run.dir: this run has ended)"
             )
         run.logger.text(
             f"done: {state.step} steps, {state.tokens:,} tokens in {format_duration(total)}; train loss {loss:.4f}"
