@@ -123,7 +123,7 @@ class Update(NamedTuple):
     """What one matrix's orthogonalisation starts from: its momentum buffer, or with nesterov
     grad.lerp(buf, momentum). Written straight into the place the plan needs it (a slot of a stack,
     a row block to send) in the orthogonalisation's dtype, and only by a rank that orthogonalises
-    it: no intermediate copy, and a DDP replica that receives the matrix computes nothing."""
+    it: no intermediate copy, and a DDP replica that receives the matrix skips it."""
 
     grad: Tensor
     buf: Tensor
@@ -191,9 +191,9 @@ class Muon(torch.optim.Optimizer):
             local.add_(update, alpha=-lr * lr_scale(p.shape))
 
     def _momentum(self, p: Tensor, group: dict) -> Update:
-        """Update the momentum (sharded like the parameter; in place, one matrix at a time: the
-        cost is memory traffic, which a fused multi-tensor op would not reduce) and return what
-        gets orthogonalised: this rank's rows of it (all of them unless the parameter is sharded)."""
+        """Update the momentum (sharded like the parameter; in place, one matrix at a time, as
+        torch's multi-tensor ops are not public API in the torch versions supported) and return
+        what gets orthogonalised: this rank's rows of it (all unless the parameter is sharded)."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad)  # a DTensor under FSDP2
