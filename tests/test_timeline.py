@@ -86,8 +86,8 @@ def test_resume_step_starts_a_timeline_that_auto_and_requeues_continue(
     """The user's path: to step 12, then --checkpoint.resume=6 --optim.lr=1e-3, killed at step 8
     before its first new checkpoint; the requeued job with resume = auto continues from step 6
     (not the old step 12), is killed at step 10 after saving step 8; the branch's own command
-    requeued (on other nodes, with other logging and retention) continues from step 8 with one
-    line saying so. The end equals the uninterrupted branch bit for bit."""
+    requeued (on other nodes, with other logging and retention, its data staged to another
+    folder) continues from step 8 with one line saying so. The end equals the uninterrupted branch bit for bit."""
     run_dir = tmp_path / "run"
     shutil.copytree(trained[0], run_dir)
     code, out = start(byte_data, run_dir, *COMMON, *BRANCH, fault="crash@8")
@@ -101,7 +101,9 @@ def test_resume_step_starts_a_timeline_that_auto_and_requeues_continue(
     assert code == 1 and f"resumed from {run_dir / 'checkpoints' / 'step_00000006'}" in out, out
     meta = checkpoint.load_meta(checkpoint.find(run_dir, 8))
     assert meta["timeline"] == timeline and meta["parent_step"] == 6
-    code, out = start(byte_data, run_dir, *COMMON, *BRANCH, *REQUEUE)
+    staged = tmp_path / "staged"  # the requeued job reads the same data from another folder
+    shutil.copytree(byte_data, staged)
+    code, out = start(staged, run_dir, *COMMON, *BRANCH, *REQUEUE)
     assert code == 0, out[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000008'}" in out, out
     line = "checkpoint.resume = 6 already started this timeline with the same training config (the keys that differ cannot change training): continuing it from step_00000008, not going back to step 6"

@@ -10,12 +10,13 @@ gptrain/commands/train.py):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
 import tomllib
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -135,7 +136,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
     dataset = Dataset(data_dir)
     # resume: the newest checkpoint of this run's timeline, or checkpoint.resume's step
     plan = dist.from_main(
-        info, lambda: checkpoint.plan_resume(cfg.run.dir, cfg.checkpoint.resume, to_toml(cfg))
+        info, lambda: checkpoint.plan_resume(cfg.run.dir, c.resume, _timeline_text(cfg, dataset))
     )
     ckpt, warnings = plan.path, list(plan.warnings)
     saved = dist.from_main(info, lambda: checkpoint.load_meta(ckpt)) if ckpt else {}
@@ -152,6 +153,16 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
     if plan.line:
         run.logger.text(plan.line)
     return run
+
+
+def _timeline_text(cfg: Config, dataset: Dataset) -> str:
+    """The config as a timeline knows it: data.dir named by the prepared folder's manifest (its
+    tokenizer, shards and their hashes; not the command line that wrote it), not by its path, so
+    the same data staged to another folder for a requeued job is the same training."""
+    content = {k: v for k, v in dataset.manifest.items() if k != "command"}
+    manifest = json.dumps(content, sort_keys=True).encode()
+    data = replace(cfg.data, dir="manifest sha256 " + hashlib.sha256(manifest).hexdigest())
+    return to_toml(replace(cfg, data=data))
 
 
 def _restore(run: Run, seed: int, saved: dict) -> None:
