@@ -95,7 +95,7 @@ class Shapes:
     bias: bool = True
     muon: tuple[tuple[int, int], ...] = ()  # distinct shapes of the Muon matrices
     ns_steps: int = 5
-    vocab: int = 0  # the output head's real and padded vocabulary (0: no loss to time)
+    vocab: int = 0  # the output head's real and padded vocabulary (the loss timing needs them)
     padded_vocab: int = 0
 
 
