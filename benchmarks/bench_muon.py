@@ -9,10 +9,12 @@ The 48 matrices of GPT-2 124M's 12 blocks, in nn.Linear's layout: c_attn (2304, 
 the orthogonalisation, in rounds that alternate the order of the candidates (a shared machine's
 load then slows one timing of each rather than one candidate): `Muon.step` batched, per-matrix
 (`Muon(batched=False)`), and batched with ns_steps = 0 (the momentum, the norm and the update
-alone: the step's elementwise part); then torch's fused AdamW over the same matrices and over the
-whole model (124M parameters, the 50304 x 768 embedding included). Medians over the rounds; the
-cores other processes took meanwhile (/proc/stat) are printed, as on a shared machine they move
-every number. Also the largest difference between the two paths' parameters after one step.
+alone: the step's elementwise part), and torch's fused AdamW over the same matrices and over the
+whole model (124M parameters, the 50304 x 768 embedding included), all in the same rounds.
+Medians over the rounds, ratios per round (both sides under the same load) and then their
+median; the cores other processes took meanwhile (/proc/stat) are printed, as on a shared machine
+they move every number. Also the largest difference between the two paths' parameters after one
+step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -52,39 +55,34 @@ def rest_of_model(seed: int = 1) -> list[torch.nn.Parameter]:
     return params
 
 
-def timed(step) -> float:
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
-
-
-def candidates(dtype: torch.dtype) -> dict:
-    def muon(**kw):
-        return Muon(matrices(), lr=0.02, weight_decay=0.1, dtype=dtype, **kw).step
-
-    return {
-        "batched": muon(batched=True),
-        "per-matrix": muon(batched=False),
-        "elementwise only": muon(batched=True, ns_steps=0),
-    }
-
-
-def adamw_candidates() -> dict:
+def candidates(dtypes: list[str]) -> dict:
+    """{name: step}: every candidate steps the same matrices (and gradients), each with its own
+    optimizer state; the whole-model AdamW also the rest of the model."""
+    params = matrices()
     kw = dict(lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    return {
-        "AdamW, same matrices": torch.optim.AdamW(matrices(), **kw).step,
-        "AdamW, whole model": torch.optim.AdamW(matrices() + rest_of_model(), **kw).step,
+    steps = {
+        "AdamW, same matrices": torch.optim.AdamW(params, **kw).step,
+        "AdamW, whole model": torch.optim.AdamW(params + rest_of_model(), **kw).step,
     }
+    for name in dtypes:
+        muon = partial(Muon, params, lr=0.02, weight_decay=0.1, dtype=getattr(torch, name))
+        steps[f"{name} batched"] = muon(batched=True).step
+        steps[f"{name} per-matrix"] = muon(batched=False).step
+        steps[f"{name} elementwise only"] = muon(batched=True, ns_steps=0).step
+    return steps
 
 
-def median_times(steps: dict, rounds: int) -> dict:
+def timings(steps: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each step per round, the order alternating from round to round."""
     times = {name: [] for name in steps}
     for step in steps.values():
-        step()  # warm-up: momentum buffers, allocator
+        step()  # warm-up: optimizer state, allocator
     for r in range(rounds):
         for name in list(steps) if r % 2 == 0 else list(steps)[::-1]:
-            times[name].append(timed(steps[name]))
-    return {name: statistics.median(t) for name, t in times.items()}
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def path_difference(dtype: torch.dtype) -> float:
@@ -101,21 +99,26 @@ def main() -> None:
     p.add_argument("--dtypes", default="bfloat16,float32")
     args = p.parse_args()
     keep_freed_memory()
+    dtypes = args.dtypes.split(",")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
     start = cpu_now()
-    adamw = median_times(adamw_candidates(), args.rounds)
-    for name, t in adamw.items():
-        print(f"{name}: {t * 1e3:.1f} ms")
-    base = adamw["AdamW, same matrices"]
-    print("| dtype | batched ms | per-matrix ms | per-matrix / batched | elementwise ms | batched / AdamW (same matrices) | max param difference |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
-        t = median_times(candidates(dtype), args.rounds)
-        b, m, e = t["batched"], t["per-matrix"], t["elementwise only"]
-        diff = path_difference(dtype)
-        print(f"| {name} | {b * 1e3:.0f} | {m * 1e3:.0f} | {m / b:.2f}x | {e * 1e3:.0f} | {b / base:.1f}x | {diff:.1e} |")  # fmt: skip
-    print(f"other processes took {crowding_since(start):.2f} CPU cores on average meanwhile")
+    times = timings(candidates(dtypes), args.rounds)
+    crowding = crowding_since(start)
+    med = {name: statistics.median(t) for name, t in times.items()}
+
+    def ratio(a: str, b: str) -> float:  # per round (the same load on both), then the median
+        return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
+    for name in ("AdamW, same matrices", "AdamW, whole model"):
+        print(f"{name}: {med[name] * 1e3:.0f} ms")
+    print("| Muon dtype | batched ms | per-matrix ms | per-matrix / batched | elementwise ms | batched / AdamW (same matrices) | batched / AdamW (whole model) | max param difference |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in dtypes:
+        b, m, e = (f"{name} {k}" for k in ("batched", "per-matrix", "elementwise only"))
+        same, whole = ratio(b, "AdamW, same matrices"), ratio(b, "AdamW, whole model")
+        diff = path_difference(getattr(torch, name))
+        print(f"| {name} | {med[b] * 1e3:.0f} | {med[m] * 1e3:.0f} | {ratio(m, b):.2f}x | {med[e] * 1e3:.0f} | {same:.0f}x | {whole:.0f}x | {diff:.1e} |")  # fmt: skip
+    print(f"other processes took {crowding:.2f} CPU cores on average while it timed")
 
 
 if __name__ == "__main__":
