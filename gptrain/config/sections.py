@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from gptrain.config.fields import check, duration_s, opt
 
+FLOAT8_HELP = "float8 matmuls (torchao: pip install 'gptrain[fp8]') in the blocks' Linear layers, under bf16, on GPUs with FP8 (compute capability >= 8.9): on, off, or auto: the shapes timed faster"
 MUON_SPLIT_HELP = "muon only, 2+ processes: split: each matrix orthogonalised on one rank, sent to the others (FSDP2: always); redundant: every DDP rank does every matrix; auto: split"
 
 
@@ -113,6 +114,7 @@ class TrainConfig:
         "output-head loss: chunked (never the full logits), full (the full logits, then cross-entropy), or auto: the faster of the two where the full logits fit, timed at start-up (cached per machine)",
         ("auto", "chunked", "full"),
     )
+    float8: str = opt("auto", FLOAT8_HELP, ("auto", "on", "off"))
     tf32: bool = opt(
         True,
         "on CUDA, float32 matmuls may use TensorFloat-32 (Ampere and newer): much faster, ~3 significant digits; MFU's measured peak uses the same setting",
@@ -163,6 +165,8 @@ class TrainConfig:
             f"train.spike_window = {self.spike_window} must be >= 2 (a standard deviation needs 2 steps), e.g. 128",
         )
         check(self.spike_z > 0, f"train.spike_z = {self.spike_z} must be > 0, e.g. 6")
+        on_bf16 = self.float8 != "on" or self.dtype in ("auto", "bfloat16")  # torchao's float8
+        check(on_bf16, f"train.float8 = 'on' computes under bf16 autocast, but train.dtype = {self.dtype!r}; set --train.dtype=bfloat16 (or auto), or train.float8=auto")  # fmt: skip
 
 
 @dataclass(frozen=True)

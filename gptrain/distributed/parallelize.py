@@ -1,9 +1,10 @@
 """The one place a model is wrapped for training, and the one answer to "is this run sharded?".
 
-Order (torchtitan's), applied from outside the model by `wrap_model`: activation checkpointing ->
-torch.compile -> DDP | FSDP2. A new parallelism goes here: a branch in wrap_model, its answer in
-`shards` / `is_sharded`, and its gradient-sync rule in `grad_sync`; the checkpoint manager and
-the training loop ask these functions and never sniff wrapper types themselves.
+Order (torchtitan's), applied from outside the model by `wrap_model`: float8 Linear layers ->
+activation checkpointing -> torch.compile -> DDP | FSDP2. A new parallelism goes here: a branch
+in wrap_model, its answer in `shards` / `is_sharded`, and its gradient-sync rule in `grad_sync`;
+the checkpoint manager and the training loop ask these functions and never sniff wrapper types
+themselves.
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ def wrap_model(
     compile: bool,
     param_dtype: torch.dtype,
     activation_checkpointing: str = "none",
+    float8: tuple = (),
 ) -> nn.Module:
-    """Apply activation checkpointing, compile and data parallelism from outside the model, always
-    in this order (torchtitan's; each step wraps what the previous one produced):
+    """Apply float8 layers, activation checkpointing, compile and data parallelism from outside
+    the model, always in this order (torchtitan's; each step wraps what the previous one produced):
 
+    0. float8 (`float8`: the (in, out) shapes train.float8 chose): convert_float8, in place; the
+       Float8Linear layers keep their Parameters, so keys and values stay those of nn.Linear.
     1. activation checkpointing (`blocks`): each transformer block's forward runs under the public
        `torch.utils.checkpoint.checkpoint` (non-reentrant), so backward recomputes the block instead
        of keeping its activations. The block's own `forward` is replaced on the instance: no wrapper
@@ -68,6 +72,8 @@ def wrap_model(
     The returned module is what the training loop calls; save the original `model` (its keys are
     the plain ones). The caller builds the optimizer after wrapping (FSDP replaces parameters).
     """
+    if float8:
+        convert_float8(model, float8)
     blocks = list(model.transformer.h)
     if activation_checkpointing == "blocks":
         for block in blocks:
@@ -107,6 +113,43 @@ def wrap_model(
             static_graph=cfg.static_graph,
         )
     return model
+
+
+def float8_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """The Linear layers float8 training may convert, {name: (in_features, out_features)}: those
+    inside the transformer blocks whose two dimensions are multiples of 16 (FP8 matmuls need it).
+    The embeddings and the tied output head (computed by model/losses.py) stay as they are."""
+    return {
+        f"transformer.h.{i}.{name}": (m.in_features, m.out_features)
+        for i, block in enumerate(model.transformer.h)
+        for name, m in block.named_modules()
+        if isinstance(m, nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+    }
+
+
+def convert_float8(model: nn.Module, shapes, emulate: bool = False) -> list[str]:
+    """Swap the float8_layers of the given (in, out) `shapes` for torchao's Float8Linear, in
+    place (to_float8); the names swapped."""
+    wanted = {tuple(s) for s in shapes}
+    chosen = {name for name, shape in float8_layers(model).items() if shape in wanted}
+    to_float8(model, chosen, emulate)
+    return sorted(chosen)
+
+
+def to_float8(module: nn.Module, names: set, emulate: bool = False) -> None:
+    """The nn.Linear layers of `module` named in `names` become torchao's Float8Linear with
+    tensorwise dynamic scaling (each matmul of forward and backward casts its two operands to
+    float8, one scale per tensor from its largest magnitude). Float8Linear takes over the layer's
+    own weight and bias Parameters (no copy, no new buffer), so state-dict keys and values stay
+    those of nn.Linear and checkpoints stay plain. `emulate`: float8 rounding on any device,
+    without FP8 matmuls (tests only)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(
+        module,
+        module_filter_fn=lambda _, name: name in names,
+        config=Float8LinearConfig(emulate=emulate),
+    )
 
 
 def eager():

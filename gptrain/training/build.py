@@ -13,6 +13,7 @@ from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.host import keep_freed_memory
 from gptrain.errors import UserError
+from gptrain.training import float8 as fp8
 from gptrain.training.choices import Choices, Shapes, decide, decide_muon_split
 from gptrain.training.precision import (
     mixed_precision,
@@ -132,7 +133,7 @@ def build_training(
     """(model, wrapped, optimizer, compute dtype, autocast, scaler), in this order: the model with
     the same initialisation on every rank (same seed), parallelism applied from outside, then the
     optimizer over the (possibly sharded) parameters. train.dtype (`dtype`), train.attention,
-    train.loss and optim.muon_dtype = auto are decided by timing the run's shapes
+    train.loss, train.float8 and optim.muon_dtype = auto are decided by timing the run's shapes
     (speed_choices), or taken from the checkpoint a run resumes (`saved_choices`).
 
     FSDP2 with a random init: the model is built on the `meta` device (no memory), sharded, then
@@ -163,6 +164,7 @@ def build_training(
         compile=compile,
         param_dtype=ptdtype,
         activation_checkpointing=cfg.train.activation_checkpointing,
+        float8=fp8.parse(choices.float8 and choices.float8.layers),  # none: off or undecided
     )
     if on_meta:  # the same RNG state as build_model's init_weights above: nothing drew since
         init_sharded(model, info.device)
@@ -204,12 +206,14 @@ def speed_choices(
     mb = mb or batch.plan(t, info.world_size)[0]  # what a CPU uses, a GPU tries first
     arch = (c.n_layer, c.n_embd, c.n_head, c.gelu, c.bias, tuple(sorted(matrices)))
     vocab = {"vocab": c.vocab_size, "padded_vocab": c.padded_vocab_size}
-    shapes = Shapes(mb, t.seq_len, *arch, o.muon_ns_steps, **vocab)
+    linears = tuple(sorted(set(parallelize.float8_layers(model).values())))
+    shapes = Shapes(mb, t.seq_len, *arch, o.muon_ns_steps, **vocab, linears=linears)
     muon_dtype = o.muon_dtype if muon else None
     asked = {"dtype": dtype, "attention": t.attention, "muon_dtype": muon_dtype, "loss": t.loss}
+    asked["float8"] = t.float8
     kept = {k: saved[k] for k, v in asked.items() if v == "auto" and (saved or {}).get(k)}
     compile = t.compile if compile is None else compile
-    how = dict(fsdp=fsdp, compiled=compile and not fsdp)  # FSDP2: blocks compiled, loss eager
+    how = dict(fsdp=fsdp, compiled=compile)  # FSDP2: blocks compiled, loss eager (decide)
 
     def choose() -> Choices:
         try:

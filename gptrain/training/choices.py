@@ -1,6 +1,6 @@
-"""Measured speed choices: `train.dtype`, `train.attention`, `train.loss`, `optim.muon_dtype` and
-`optim.muon_split` = auto, decided by timing this run's own shapes on this device at start-up,
-cached per machine.
+"""Measured speed choices: `train.dtype`, `train.attention`, `train.loss`, `train.float8`,
+`optim.muon_dtype` and `optim.muon_split` = auto, decided by timing this run's own shapes on this
+device at start-up, cached per machine.
 
 What is timed (only what the config leaves to auto; an explicit value always wins, untimed):
 
@@ -23,12 +23,12 @@ What is timed (only what the config leaves to auto; an explicit value always win
   most BLOCK_FLOPS, GPU_BLOCK_FLOPS beyond it); chunked unless full is clearly faster. On a GPU
   chunked by rule where the full logits (FULL_LOGITS_BYTES each) would take over
   LOGITS_MEMORY_SHARE of the free memory.
+- float8 (GPUs with FP8 only): each eligible Linear shape, bf16 vs float8 (training/float8.py).
 - muon: one Newton-Schulz orthogonalisation of each distinct Muon matrix shape, bf16 vs float32.
 - muon-split (DDP with 2+ ranks only): one Muon step's orthogonalisations of all the run's Muon
   matrices in the chosen Muon dtype, every rank all of them (redundant) vs each on its owner rank
   and broadcast (split), timed on every rank at once; split unless redundant is clearly faster
   (it keeps the replicas byte-identical). Cached per machine, world size, backend and matrices.
-
 How a candidate is timed and how timings are cached: training/timing.py."""
 
 from __future__ import annotations
@@ -44,12 +44,8 @@ import torch
 from gptrain.distributed import parallelize
 from gptrain.errors import UserError
 from gptrain.model.losses import chunk_rows
-from gptrain.training.precision import (
-    DTYPES,
-    auto_cuda_dtype,
-    cuda_supports_bf16,
-    resolve_dtype,
-)
+from gptrain.training import float8 as fp8
+from gptrain.training.precision import DTYPES, auto_cuda_dtype, cuda_supports_bf16, resolve_dtype
 from gptrain.training.timing import (
     Clock,
     Lockstep,
@@ -97,6 +93,7 @@ class Shapes:
     ns_steps: int = 5
     vocab: int = 0  # the output head's real and padded vocabulary (the loss timing needs them)
     padded_vocab: int = 0
+    linears: tuple[tuple[int, int], ...] = ()  # distinct (in, out) of float8's eligible layers
 
 
 @dataclass
@@ -108,6 +105,7 @@ class Choices:
     muon_dtype: str | None  # None: the run has no Muon
     muon_split: str | None = None  # split or redundant; None: the run has no Muon
     loss: str | None = None  # chunked or full; None: not decided here
+    float8: fp8.Float8 | None = None  # the float8 layers and their timings; None: not decided
     how: dict = field(default_factory=dict)
     block_ms: dict = field(default_factory=dict)  # "dtype/kernel" -> ms per forward + backward
     block_tokens: tuple = ()  # (sequences, seq_len) of the timed block
@@ -126,7 +124,7 @@ class Choices:
     def decisions(self) -> dict:
         """What a checkpoint records, so that a resumed run computes the same way."""
         keys = ("dtype", "attention", "muon_dtype", "muon_split", "loss")
-        return {k: getattr(self, k) for k in keys}
+        return {k: getattr(self, k) for k in keys} | fp8.decisions(self.float8)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "warnings"}
@@ -148,6 +146,7 @@ class Choices:
                 parts[-1] += (
                     f" [the head's loss fwd+bwd of {self.loss_rows} rows: {ms(self.loss_ms)}]"
                 )
+        parts += fp8.line_part(self)
         if self.muon_dtype:
             parts.append(f"optim.muon_dtype={self.muon_dtype} ({self.how['muon_dtype']})")
             if self.muon_ms:
@@ -169,21 +168,24 @@ def decide(
     attention: str = "auto",
     muon_dtype: str | None = None,
     loss: str | None = None,
+    float8: str | None = None,
     *,
     fsdp: bool = False,
     compiled: bool = False,
     timer=None,
     cache_path: Path | None | bool = True,
 ) -> Choices:
-    """The run's dtype, attention kernel, (muon_dtype not None) Muon dtype and (loss not None) loss
-    path, timed compiled when `compiled` (the run compiles its loss); explicit values are kept
-    untimed. `timer(label, fn, rival) -> seconds` times a candidate (default: Clock(); its
-    crowding(), when it has one, decides whether the timings may be cached);
-    cache_path True: the gptrain cache, None/False: no cache. A UserError for optim.muon_dtype =
-    bfloat16 where bf16 is not native."""
+    """The run's dtype, attention kernel, (muon_dtype not None) Muon dtype, (loss not None) loss
+    path and (float8 not None) float8 layers, timed compiled when `compiled` (the run compiles its
+    blocks; its loss too unless `fsdp`); explicit values are kept untimed. `timer(label, fn,
+    rival) -> seconds` times a candidate (default: Clock(); its crowding(), when it has one,
+    decides whether timings are cached); cache_path True: the gptrain cache, None/False: none.
+    UserErrors: optim.muon_dtype = bfloat16 where bf16 is emulated, float8 = on where it can't run."""
     start, timer = time.perf_counter(), timer or Clock()
     if dtype != "auto":
         resolve_dtype(dtype, torch.device(device).type)  # float16 off CUDA: refused before timing
+    fp8.refuse(device, float8, dtype)
+    ruled = float8 == "on" and dtype == "auto"  # float8 trains under bf16
     warnings: list = []
     path = default_cache_path() if cache_path is True else (cache_path or None)
     where = f"{machine(device)}|torch {torch.__version__}"
@@ -199,22 +201,19 @@ def decide(
     )
     native = _bf16_native(device, cuda, wants_bf16, measure, out)
     if muon_dtype == "bfloat16" and not native:
-        why = (
-            "compute capability < 8.0"
-            if cuda
-            else f"a bf16 matmul measured {out.bf16_ratio:.1f}x float32's time"
-        )
+        why = "compute capability < 8.0" if cuda else f"a bf16 matmul measured {out.bf16_ratio:.1f}x float32's time"  # fmt: skip
         raise UserError(
             f"optim.muon_dtype = 'bfloat16' but this device computes bf16 only by emulation ({why}); use optim.muon_dtype=float32 or auto"
         )
-
-    dtypes = _dtype_candidates(dtype, cuda, native, fsdp, out)
+    dtypes = _dtype_candidates("bfloat16" if ruled else dtype, cuda, native, fsdp, out)
     kernels = _kernel_candidates(attention, shapes, out)
     _decide_block(device, shapes, dtypes, kernels, measure, out, asked=(dtype, attention))
+    out.how["dtype"] = "rule: train.float8 = on" if ruled else out.how["dtype"]
     if len(dtypes) == 1 and out.how["dtype"] == "measured":
         out.how["dtype"] = no_bf16
     _decide_muon(device, shapes, muon_dtype, native, measure, out, no_bf16)
-    _decide_loss(device, shapes, loss, compiled, measure, out)
+    _decide_loss(device, shapes, loss, compiled and not fsdp, measure, out)
+    fp8.decide(device, shapes, float8, out.dtype, compiled, fsdp, measure, out, _pick, GPU_BLOCK_FLOPS)  # fmt: skip
     if measure.hits and all(measure.hits):
         out.how = {k: v.replace("measured", "cached") for k, v in out.how.items()}
     measure.save_unless_crowded(timer, cuda)
