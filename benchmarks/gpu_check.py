@@ -4,6 +4,7 @@
     benchmarks/gpu_check.sh --dry-run    # CPU, tiny models, 2 gloo ranks, no compile row:
                                          # checks the script itself (tests/test_gpu_check.py)
     benchmarks/gpu_check.sh --rows 0,4   # only these rows (and the runs they compare with)
+    benchmarks/gpu_check.sh --float8     # only the float8 row (with --rows: those rows too)
 
 Each row is printed as soon as it is done ("gpu_check: done: ...", with its seconds), the whole
 table at the end: a run stopped by a time limit still shows the rows it finished.
@@ -31,6 +32,11 @@ Rows (each a real `gptrain` command, started the way a user starts it):
   5. GPT-2 XL under FSDP2 with Muon (optim.name = muon) and activation checkpointing: peak memory
      per GPU, the time of a step and Muon's share of it (its optimizer step, timed between device
      synchronisations, over the whole step; 3 steps, the fastest Muon step counted)
+  float8 (--float8). Row 0's `gptrain bench` with train.float8 = off, on and auto: tokens/s of
+     each (on and auto against off), and the Linear shapes auto converted with the timings it
+     chose by (read back from the speed-choice cache its run filled). OK unless auto is over 3%
+     slower than off (its choice lost end to end); the dry run benches off and auto, the same
+     code on a CPU (no FP8: on is refused there), and judges nothing
 A row whose command fails is printed FAILED with the command's last line (its whole log to
 stderr), the next row runs, and the script exits 1.
 Rows 1-4 train on this machine's own Python sources (torch's), byte-tokenised by `gptrain prepare`:
@@ -56,6 +62,7 @@ from pathlib import Path
 run_command, launch = subprocess.run, subprocess.Popen
 
 REPO = Path(__file__).resolve().parents[1]
+LLMC = "configs/gpt2_124m_llmc.toml"
 MB = 2**20
 
 
@@ -181,21 +188,28 @@ class Check:
             raise SystemExit(f"failed: {' '.join(cmd)}\n{log[-3000:]}")
         return json.loads(out.read_text())
 
+    def bench_args(self) -> list[str]:
+        """Row 0's `gptrain bench` command line after --config, less --json."""
+        if self.dry:
+            return ["--steps", "2", "--warmup", "1", "--model.preset=tiny", "--train.seq_len=64", "--train.total_batch_size=1024", "--train.micro_batch_size=4", "--train.dtype=float32", "--train.compile=false", "--train.device=cpu"]  # fmt: skip
+        # 2^17 tokens a step: 2 micro-steps of 64 x 1024 when 64 fits
+        return ["--steps", "20", "--warmup", "5", "--train.total_batch_size=131072", "--train.dtype=bfloat16", "--train.device=cuda"]  # fmt: skip
+
+    def bench(self, name: str, *extra: str) -> dict:
+        """The row `gptrain bench` of configs/gpt2_124m_llmc.toml writes with bench_args + extra."""
+        rows = self.work / f"{name}.json"
+        self.cli(["bench", "--config", LLMC, "--json", str(rows), *self.bench_args(), *extra])
+        (r,) = json.loads(rows.read_text())
+        return r
+
     def throughput(self) -> tuple[str, str]:
         """Row 0: `gptrain bench` of configs/gpt2_124m_llmc.toml on one device (the 400k tok/s target)."""
-        rows = self.work / "bench.json"
-        cmd = ["bench", "--config", "configs/gpt2_124m_llmc.toml", "--json", str(rows)]
-        if self.dry:
-            cmd += ["--steps", "2", "--warmup", "1", "--model.preset=tiny", "--train.seq_len=64", "--train.total_batch_size=1024", "--train.micro_batch_size=4", "--train.dtype=float32", "--train.compile=false", "--train.device=cpu"]  # fmt: skip
-        else:  # 2^17 tokens a step: 2 micro-steps of 64 x 1024 when 64 fits
-            cmd += ["--steps", "20", "--warmup", "5", "--train.total_batch_size=131072", "--train.dtype=bfloat16", "--train.device=cuda"]  # fmt: skip
-        self.cli(cmd)
-        (r,) = json.loads(rows.read_text())
+        r = self.bench("bench")
         target = 1 if self.dry else 400_000
         verdict = "OK" if r["tok_per_s"] >= target else f"BELOW the {target:,} target"
         return (f"1 {self.device}, micro-batch {r['micro_batch']}: {r['tok_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%} of a measured {r['peak_tflops']:.3g} TFLOP/s", verdict)  # fmt: skip
 
-    def run(self, rows: set[int]) -> None:
+    def run(self, rows: set[int], float8: bool = False) -> None:
         """The rows asked for, each printed as soon as it is done (a run cut short by a time limit
         still shows what it finished); the runs a row compares with are trained when missing. A
         row whose command fails is a FAILED row with the command's last line, and the next row
@@ -259,8 +273,9 @@ class Check:
         todo.append((3, f"FSDP2 x {n}, deterministic kernels: SIGKILL, resume to step {steps}", resume))  # fmt: skip
         todo.append((4, f"GPT-2 XL, FSDP2 x {n}, activation checkpointing", xl))
         todo.append((5, f"GPT-2 XL, FSDP2 x {n}, Muon, activation checkpointing", self.xl_muon))
+        todo.append(("float8", f"GPT-2 124M, vocab 50257, `gptrain bench`, 1 {self.device}, train.float8 off / on / auto", self.float8))  # fmt: skip
         for number, check, measure in todo:
-            if number in rows:
+            if number in rows or (float8 and number == "float8"):
                 try:
                     self.add(check, *measure())
                 except SystemExit as e:  # a command failed: its log is printed, its row FAILED
@@ -268,6 +283,38 @@ class Check:
                     last = [line for line in str(e).splitlines() if line.strip()][-1]
                     self.failed = True
                     self.add(check, f"failed: {last.strip()[:300]}", "FAILED")
+
+    def float8(self) -> tuple[str, str]:
+        """The float8 row: row 0's bench with train.float8 = off, on (not in the dry run: no FP8
+        on a CPU) and auto; auto's layers and timings from the speed-choice cache (float8_choice)."""
+        modes = ("off", "auto") if self.dry else ("off", "on", "auto")
+        tok = {m: self.bench(f"float8_{m}", f"--train.float8={m}")["tok_per_s"] for m in modes}
+        ratios = ", ".join(f"{m} {tok[m]:,.0f} ({tok[m] / tok['off']:.2f}x)" for m in modes[1:])
+        ok = self.dry or tok["auto"] >= 0.97 * tok["off"]  # a CPU runs the same code twice
+        verdict = "OK" if ok else "auto SLOWER than off: its choice lost end to end"
+        return f"off {tok['off']:,.0f} tok/s, {ratios}; auto: {self.float8_choice()}", verdict
+
+    def float8_choice(self) -> str:
+        """What train.float8 = auto chose for row 0's bench, from the speed-choice cache its run
+        filled (nothing timed where it holds them): the layers, how, and each shape's timings."""
+        from gptrain.config.load import load_config
+        from gptrain.distributed.runtime import DistInfo
+        from gptrain.training.build import build_model, speed_choices
+        from gptrain.training.precision import set_matmul_precision
+
+        args = [a.removeprefix("--") for a in self.bench_args() if a.startswith("--train.")]
+        cfg = load_config(str(REPO / LLMC), [*args, "train.float8=auto"])
+        model = build_model(cfg, 50257, meta=True)
+        device = "cpu" if self.dry else "cuda:0"
+        set_matmul_precision(
+            device.split(":")[0], cfg.train.tf32
+        )  # as the bench did (keys hold it)
+        c = speed_choices(cfg, DistInfo(device=device), model, cfg.train.dtype, compile=cfg.train.compile)  # fmt: skip
+        if c.float8 is None:
+            return f"nothing to decide ({device} has no FP8)"
+        each = ", ".join(f"{k} {v['bfloat16']:.3g} vs {v['float8']:.3g} ms" for k, v in c.float8.ms.items())  # fmt: skip
+        timed = f"; one Linear fwd+bwd of {c.float8.rows} rows, bf16 vs float8: {each}" if each else ""  # fmt: skip
+        return f"{c.float8.layers} ({c.how['float8']}){timed}"
 
     def xl_muon(self) -> tuple[str, str]:
         """Row 5: GPT-2 XL under FSDP2 with Muon and activation checkpointing, 3 steps, no saves:
@@ -330,13 +377,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, 2 gloo ranks")
     p.add_argument("--keep", default="", help="keep the runs in this folder")
-    p.add_argument("--rows", default="0,1,2,3,4,5", help="which rows to run, e.g. 0,4 (the runs a row compares with come along)")  # fmt: skip
+    p.add_argument("--rows", default=None, help="which rows to run, e.g. 0,4 (the runs a row compares with come along); default: all, or none with --float8")  # fmt: skip
+    p.add_argument("--float8", action="store_true", help="the float8 row: row 0's bench with train.float8 = off, on and auto")  # fmt: skip
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     if a.worker:
         worker(a.worker, [o.removeprefix("--") for o in rest])
         return 0
-    parts = a.rows.split(",")
+    if a.rows is None:
+        a.rows = "" if a.float8 else "0,1,2,3,4,5"
+    parts = a.rows.split(",") if a.rows or not a.float8 else []
     rows = {int(r) for r in parts if r.isdigit()}
     if len(rows) < len(set(parts)) or not rows <= {0, 1, 2, 3, 4, 5}:
         print(f"gpu_check: --rows {a.rows!r}: give row numbers from 0 to 5, comma-separated (e.g. 0,4)")  # fmt: skip
@@ -350,7 +400,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         check = Check(a.dry_run, work)
-        check.run(rows)
+        check.run(rows, a.float8)
         print(check.table())
         if check.failed:
             return 1

@@ -293,3 +293,66 @@ def test_converted_layers_compute_in_float8():
         run = fp8.linear_run("cpu", (64, 256), 32, candidate, False, "float32", emulate=True)
         run()
     assert torch.equal(state, torch.get_rng_state())
+
+
+def _gpu_check():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    return gpu_check
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_the_gpu_check_float8_row(monkeypatch, dry):
+    """benchmarks/gpu_check.py --float8: row 0's bench with train.float8 off, on and auto (a
+    dry run: off and auto), tokens/s against off, auto's choice; OK unless auto is over 3% slower
+    than off on a GPU. Fake benches: nothing runs."""
+    gpu_check = _gpu_check()
+    check = gpu_check.Check.__new__(gpu_check.Check)
+    check.dry, check.gpus, check.device, check.rows = dry, 1, "cpu" if dry else "cuda", []
+    for auto, verdict in ((505_000, "OK"), (480_000, "auto SLOWER than off")):
+        tok = {"off": 500_000, "on": 450_000, "auto": auto}
+        benched = []
+
+        def bench(name, *extra, tok=tok, benched=benched):
+            benched.append(extra)
+            return {"tok_per_s": tok[extra[-1].removeprefix("--train.float8=")]}
+
+        monkeypatch.setattr(check, "bench", bench)
+        monkeypatch.setattr(check, "float8_choice", lambda: "768x3072,3072x768 (measured)")
+        check.rows = []
+        check.run(set(), float8=True)
+        ((name, result, got, _),) = check.rows
+        modes = ["off", "auto"] if dry else ["off", "on", "auto"]
+        assert benched == [(f"--train.float8={m}",) for m in modes] and "train.float8" in name
+        assert got.startswith("OK" if dry else verdict)
+        assert result.startswith("off 500,000 tok/s, " + ("" if dry else "on 450,000 (0.90x), "))
+        assert f"auto {auto:,} ({auto / 500_000:.2f}x); auto: 768x3072,3072x768 (measured)" in result  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, rows, float8",
+    [
+        ([], {0, 1, 2, 3, 4, 5}, False),
+        (["--float8"], set(), True),
+        (["--float8", "--rows", "0"], {0}, True),
+    ],  # fmt: skip
+)
+def test_the_gpu_check_runs_the_float8_row_when_asked(monkeypatch, capsys, argv, rows, float8):
+    """--float8 alone: only the float8 row; with --rows: those rows too; without: as before."""
+    gpu_check = _gpu_check()
+    ran = []
+
+    class Check:
+        def __init__(self, dry, work):
+            self.failed = False
+
+        def run(self, rows, float8=False):
+            ran.append((rows, float8))
+
+        def table(self):
+            return "table"
+
+    monkeypatch.setattr(gpu_check, "Check", Check)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run", *argv])
+    assert gpu_check.main() == 0 and ran == [(rows, float8)]
