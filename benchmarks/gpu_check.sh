@@ -2,6 +2,7 @@
 # The GPU proof run: prints one table (see benchmarks/gpu_check.py for the rows).
 #   benchmarks/gpu_check.sh              # on a CUDA machine, all GPUs of the node
 #   benchmarks/gpu_check.sh --dry-run    # on a CPU: tiny models, 2 gloo ranks (part of make test)
+#   benchmarks/gpu_check.sh --float8     # one GPU: row 0's bench with train.float8 off, on, auto
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"
