@@ -134,7 +134,8 @@ def decide(device, s, asked, dtype, compiled, fsdp, measure, out, pick, most_flo
     if asked != "auto":
         out.float8.layers = text(s.linears) if asked == "on" else asked
         return
-    rule = _off_by_rule(s, dtype)
+    version = torchao_version()
+    rule = _off_by_rule(s, dtype, version)
     if rule is not None:
         out.how["float8"] = f"rule: {rule}"
         if rule.startswith("torchao"):
@@ -149,7 +150,7 @@ def decide(device, s, asked, dtype, compiled, fsdp, measure, out, pick, most_flo
     try:
         for shape in s.linears:
             makes = {c: partial(linear_run, device, shape, rows, c, compiled, weights) for c in CANDIDATES}  # fmt: skip
-            key = [*shape, rows, compiled, weights, torchao_version()]
+            key = [*shape, rows, compiled, weights, version]
             times = measure(KIND, key, makes, rounds=2)
             times_ms[text([shape])] = {c: t * 1e3 for c, t in times.items()}
             if pick(times, CANDIDATES) == "float8":
@@ -164,15 +165,13 @@ def decide(device, s, asked, dtype, compiled, fsdp, measure, out, pick, most_flo
     out.float8, out.how["float8"] = Float8(text(chosen), rows, times_ms), "measured"
 
 
-def _off_by_rule(s, dtype: str) -> str | None:
-    """Why auto is off untimed on a device with FP8 matmuls, or None: time it."""
+def _off_by_rule(s, dtype: str, version: str | None) -> str | None:
+    """Why auto is off untimed on a device with FP8 matmuls (torchao's `version`), or None."""
     if dtype != "bfloat16":
         return f"train.dtype = {dtype}, float8 training runs under bf16"
     if not s.linears:
         return "no Linear layer in the blocks has both dimensions multiples of 16"
-    if torchao_version() is None:
-        return "torchao is not installed"
-    return None
+    return "torchao is not installed" if version is None else None
 
 
 def line_part(c) -> list[str]:
