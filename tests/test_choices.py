@@ -226,7 +226,7 @@ def test_a_run_shows_its_choices_in_the_first_line_and_summary(byte_data, tmp_pa
     run_dir = tmp_path / "run"
     args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--log.progress=false"]  # fmt: skip
     args += ["--train.max_steps=2", "--eval.every=0", "--eval.tokens=512", "--checkpoint.every=0"]
-    args += ["--optim.name=muon", "--optim.warmup_steps=1", "--eval.sample_every=0", "--train.attention=auto"]  # fmt: skip
+    args += ["--optim.name=muon", "--optim.warmup_steps=1", "--eval.sample_every=0", "--train.attention=auto", "--train.loss=auto"]  # fmt: skip
     assert cli(args) == 0
     first = (run_dir / "train.log").read_text().splitlines()[0]
     assert "speed choices in" in first and "train.dtype=float32 (config)" in first
