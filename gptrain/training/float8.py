@@ -36,13 +36,11 @@ from torch import nn
 from gptrain.distributed import parallelize
 from gptrain.errors import UserError
 from gptrain.logs.mfu import synchronize
-from gptrain.training import timing
 from gptrain.training.precision import DTYPES, mixed_precision
 
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 matmuls (torch._scaled_mm)
 KIND = "float8"  # the speed-choice cache's kind of these timings
 CANDIDATES = ["bfloat16", "float8"]  # bf16 first: it wins a tie
-timing.NAMES.setdefault(KIND, set(CANDIDATES))  # the names the cache's entries may hold
 MISSING = "train.float8 = on needs torchao: pip install 'gptrain[fp8]'"
 
 

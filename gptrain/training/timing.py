@@ -60,6 +60,7 @@ NAMES = {  # every candidate name a cache entry of each kind may hold
     "muon": {"float32", "bfloat16"},
     "muon-split": {"split", "redundant"},
     "loss": {"chunked", "full"},
+    "float8": {"bfloat16", "float8"},
     "peak": set(_DTYPES),  # not seconds: the measured peak FLOP/s of that dtype
 }
 
