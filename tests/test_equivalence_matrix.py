@@ -6,9 +6,10 @@ columns of PROOFS), each pair one test.
     resume   1 process killed inside a step (GPTRAIN_FAULT=crash) and rerun == uninterrupted, bit
              for bit (weights, data cursor, the logged lr of every step)
 
-Across processes the tolerance is tests/test_distributed.py's (rtol 1e-5, atol 1e-6, the key part
-of each attention input bias left out as in tests/train_helpers.py `comparable`: its true
-gradient is zero); the logged steps and learning rates are equal. Every run is `gptrain train` in
+Across processes the tolerance is rtol 1e-5, atol 1e-5 (tests/test_muon_dist.py's; without
+test_distributed.py's small clip threshold, AdamW's normalised update lets the order of the
+gradient sums show in the 7th digit), the key part of each attention input bias left out as in
+tests/train_helpers.py `comparable` (its true gradient is zero); the logged steps and learning rates are equal. Every run is `gptrain train` in
 its own process (tests/forked.py), from the same global batches (1024 tokens a step, micro-batch
 4), in float32, 6-8 steps of configs/debug.toml, a checkpoint every 2 steps. A run is made once
 per module and shared by the proofs that read it; the 2-rank runs pass the replica check
@@ -43,19 +44,20 @@ class Feature:
     fault: str = ""  # GPTRAIN_FAULT of every run of the feature (a clock, a spike)
     kill_at: int = 5  # the killed run crashes inside this step (after the checkpoint before it)
     branch: tuple[str, ...] = ()  # a second phase: the same run restarted with these overrides
-    atol: float = 1e-6  # across processes
+    # across processes: the sums of gradients run in another order (2 ranks x 2 micro-steps vs
+    # 4), and AdamW's normalised update turns that rounding of ~0 gradients into ~1e-6 in a
+    # weight after a few steps (measured up to 1.2e-6, by tier and loss path)
+    atol: float = 1e-5
 
 
 FEATURES = [
     # every step counts 0.25 s: 6 steps in 1.5 s, the schedule of 8 steps read at the time spent
     Feature("time_budget", ("--train.time_budget=1.5s", "--train.max_steps=8"), "step_time@0.25"),
     Feature("wsd", ("--optim.lr_schedule=wsd", "--optim.decay_fraction=0.5")),
-    # float32 orthogonalisation; within 1e-5 across processes (as tests/test_muon_dist.py)
+    # float32 orthogonalisation
     Feature(
-        "muon",
-        ("--optim.name=muon", "--optim.muon_dtype=float32", "--optim.muon_split=split"),
-        atol=1e-5,
-    ),  # fmt: skip
+        "muon", ("--optim.name=muon", "--optim.muon_dtype=float32", "--optim.muon_split=split")
+    ),
     # a x20 loss at step 6, detected against the last 4 steps: back to step 4, past 6's batch
     Feature(
         "rollback",
