@@ -100,3 +100,14 @@ def one_process_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    """Two configs to race (test_race.py, test_ladder.py): the debug config, and a copy with a
+    higher learning rate."""
+    folder = tmp_path_factory.mktemp("configs")
+    text = (Path(__file__).resolve().parent.parent / "configs" / "debug.toml").read_text()
+    (folder / "debug.toml").write_text(text)
+    (folder / "fast.toml").write_text(text.replace("lr = 3e-3", "lr = 1e-2"))
+    return [str(folder / "debug.toml"), str(folder / "fast.toml")]

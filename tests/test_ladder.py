@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 from test_race import FAST, listing
-from train_helpers import DEBUG
 
 from gptrain.__main__ import main as cli
 from gptrain.logs import ladder
@@ -170,16 +169,6 @@ def test_without_a_ladder_the_baseline_is_one_rung_and_the_multiplier_a_bound():
 
 
 # ---------------------------------------------------------------- a ladder race of the debug model
-
-
-@pytest.fixture(scope="module")
-def configs(tmp_path_factory):
-    """The debug config, and a copy with a higher learning rate."""
-    folder = tmp_path_factory.mktemp("configs")
-    text = open(DEBUG).read()
-    (folder / "debug.toml").write_text(text)
-    (folder / "fast.toml").write_text(text.replace("lr = 3e-3", "lr = 1e-2"))
-    return [str(folder / "debug.toml"), str(folder / "fast.toml")]
 
 
 def ladder_args(configs, out, byte_data, rungs="1,2", *more):

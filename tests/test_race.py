@@ -246,16 +246,6 @@ FAST = [
 ]
 
 
-@pytest.fixture(scope="module")
-def configs(tmp_path_factory):
-    """The debug config, and a copy with a higher learning rate."""
-    folder = tmp_path_factory.mktemp("configs")
-    text = open(DEBUG).read()
-    (folder / "debug.toml").write_text(text)
-    (folder / "fast.toml").write_text(text.replace("lr = 3e-3", "lr = 1e-2"))
-    return [str(folder / "debug.toml"), str(folder / "fast.toml")]
-
-
 def race_args(configs, out, byte_data, *more):
     return [
         "race",
