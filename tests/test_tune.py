@@ -129,6 +129,33 @@ def test_a_stopped_search_resumes_to_the_same_trials():
     assert len(trained) == sum(len(s.order) for s in whole.values())  # none trained twice
 
 
+def test_arms_side_by_side_try_the_same_points_as_one_at_a_time():
+    """--jobs 2: the arms' searches run in threads, their trials interleaved (a trial of one arm
+    waits while the other's finish), and still each arm tries the points it tries alone."""
+    import threading
+    import time
+
+    arms = {"a": (LR, SHARE, WD), "b": (LR,), "c": (LR, SHARE)}
+    optima = {"a": {"lr": 0.02, "share": 0.8, "wd": 0.0}, "b": {"lr": 1e-3}}
+    optima["c"] = {"lr": 0.1, "share": 0.4}
+    fns = {name: bowl(optima[name], axes) for name, axes in arms.items()}
+    alive, most = set(), []
+
+    def trial(arm, point):
+        alive.add(threading.get_ident())
+        most.append(len(alive))
+        time.sleep(0.002 if arm == "a" else 0.001)
+        alive.discard(threading.get_ident())
+        return fns[arm](point)
+
+    side = {n: Search(a) for n, a in arms.items()}
+    counts = tune.tune(side, trial, 10, 2, jobs=2)
+    alone, alone_counts = run(arms, optima, budget=10, cap=2)
+    assert max(most) == 2  # two arms' trials did run at once
+    assert counts == alone_counts
+    assert {n: s.order for n, s in side.items()} == {n: s.order for n, s in alone.items()}
+
+
 def test_a_finished_trial_is_read_not_trained(tmp_path, monkeypatch):
     run_dir = tmp_path / "baseline" / "lr=0.004"
     run_dir.mkdir(parents=True)
