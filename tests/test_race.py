@@ -567,6 +567,32 @@ def test_with_several_gpus_the_runs_go_one_per_gpu_as_subprocesses(
     assert "step 8/8" in (out / "logs" / "debug_seed_2.log").read_text()
 
 
+def test_with_jobs_on_a_cpu_the_runs_train_side_by_side_and_equal_one_at_a_time(
+    configs, byte_data, tmp_path, monkeypatch, capsys
+):
+    """--jobs 2: both seeds start at once as subprocesses, each with OMP_NUM_THREADS = half the
+    cores; their final losses equal the same race trained in process one run at a time."""
+    monkeypatch.setattr(
+        race_cmd, "subprocess", SimpleNamespace(Popen=forked.Popen, STDOUT=subprocess.STDOUT)
+    )
+    threads = max(1, (os.cpu_count() or 1) // 2)
+
+    def race(out, *more):
+        argv = ["race", "--config", configs[0], "--seeds", "2", "--out", str(out)]
+        assert cli([*argv, f"--data.dir={byte_data}", *FAST, *more]) == 0
+        return json.loads((out / "race.json").read_text())
+
+    side = race(tmp_path / "side", "--jobs", "2")
+    err = capsys.readouterr().err
+    assert err.count(f"race: CPU, {threads} thread(s): debug seed") == 2
+    assert "step 8/8" in (tmp_path / "side" / "logs" / "debug_seed_2.log").read_text()
+    alone = race(tmp_path / "alone")
+    assert [r["status"] for r in side["runs"]] == ["done", "done"]
+    for a, b in zip(side["runs"], alone["runs"], strict=True):
+        assert a["seed"] == b["seed"] and a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+    assert side["runs"][0]["val_loss"] != side["runs"][1]["val_loss"]
+
+
 @pytest.mark.parametrize(
     "case, says",
     [
@@ -576,6 +602,8 @@ def test_with_several_gpus_the_runs_go_one_per_gpu_as_subprocesses(
         ("out is a file", "is a file, not a folder; choose another --out"),
         ("out below a file", "is a file, not a folder; choose another --out"),
         ("out empty", "--out is empty; name the race's folder"),
+        ("jobs 0", "--jobs '0': give the number of CPU runs to train at a time"),
+        ("jobs not a number", "--jobs 'two': give the number of CPU runs to train at a time"),
         ("plan not JSON", "is not a race's plan (not JSON: "),
         ("plan not an object", "is not a race's plan (not an object whose configs map"),
         ("plan of no configs", "is not a race's plan (not an object whose configs map"),
@@ -590,6 +618,7 @@ def test_bad_input_is_one_line_and_nothing_is_written(
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     more = {"target": ["--target", "low"], "seeds": ["--seeds", "1"]}.get(case, [])
+    more = {"jobs 0": ["--jobs", "0"], "jobs not a number": ["--jobs", "two"]}.get(case, more)
     argv = race_args(configs, out, byte_data, *more)
     if case == "data":  # the baseline on the built-in corpus, the other config on a folder
         other = tmp_path / "other.toml"

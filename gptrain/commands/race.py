@@ -14,6 +14,9 @@
                              of its train.max_steps (and optim.warmup_steps), DIR/<config>@<M>:
                              the compute multiplier interpolates between their final losses
     --out DIR                the race's folder (default races/<first>-vs-<second>...)
+    --jobs N                 CPU runs to train at a time (default 1), each a subprocess with
+                             OMP_NUM_THREADS = the cores / N: small models train more tokens
+                             per core side by side than one at a time on every core
     --hellaswag              also score HellaSwag at the end of each run (eval.hellaswag)
     --section.key=value      an override applied to every run
 
@@ -22,8 +25,9 @@ and each run is `gptrain train --config DIR/<config>/config.toml --train.seed=K
 --run.dir=DIR/<config>/seed_K`, that config.toml written from the plan (a config file edited
 mid-race changes nothing; the next command naming it is refused). The runs are trained in this
 process one after another (their output goes to stderr); on a machine with several GPUs, when
-every run is one process, one run per GPU at a time (subprocesses, CUDA_VISIBLE_DEVICES, each in
-its own session: SIGTERM or SIGINT to the race is passed on to them, STOP_WAIT_S at most).
+every run is one process, one run per GPU at a time; with --jobs N on a CPU, N at a time
+(subprocesses, CUDA_VISIBLE_DEVICES or OMP_NUM_THREADS, each in its own session: SIGTERM or
+SIGINT to the race is passed on to them, STOP_WAIT_S at most).
 The race holds DIR's run-folder lock throughout (a second race into DIR stops with one line).
 A race stopped part-way continues when the same command runs again: every run directory resumes,
 or says it is already trained, through gptrain train's own resume; a run ending without its
@@ -104,6 +108,23 @@ def gpu_slots(cfgs: list[Config]) -> list[str | None]:
     if visible:
         return [d.strip() for d in visible.split(",") if d.strip()]
     return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def slots(cfgs: list[Config], jobs: int) -> list[str | None]:
+    """Where the runs go: one per GPU (`gpu_slots`); else with `jobs` > 1 that many CPU slots,
+    "cpu:T" (T threads each, the cores shared out); else [None] (one at a time, in process)."""
+    from gptrain.distributed import launch
+
+    gpus = gpu_slots(cfgs)
+    if gpus != [None] or jobs <= 1:
+        return gpus
+    for c in cfgs:
+        n = launch.nproc_for(c.dist.nproc_per_node)
+        if n != 1 or str(c.dist.nnodes) != "1":
+            raise UserError(
+                f"--jobs {jobs} trains one-process runs side by side, but {c.run.dir} runs {n} process(es) on {c.dist.nnodes} node(s); race it with --jobs 1"
+            )
+    return [f"cpu:{max(1, (os.cpu_count() or 1) // jobs)}"] * jobs
 
 
 def run_all(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[Job, int]:
@@ -207,13 +228,18 @@ def _run_parallel(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[
 
 def _start(job: Job, slot: str | None, logs: Path) -> tuple:
     """A run as its own process (its own session: a signal reaches it through the race only)."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": slot}
+    cpu = slot is not None and slot.startswith("cpu:")
+    env = {
+        **os.environ,
+        **({"OMP_NUM_THREADS": slot[4:]} if cpu else {"CUDA_VISIBLE_DEVICES": slot}),
+    }
     log = open(logs / f"{job.label}_seed_{job.seed}.log", "a")
     cmd = [sys.executable, "-m", "gptrain", "train", *job.argv]
     proc = subprocess.Popen(
         cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
-    print(f"race: GPU {slot}: {job.label} seed {job.seed} -> {job.run_dir}", file=sys.stderr)
+    where = f"CPU, {slot[4:]} thread(s)" if cpu else f"GPU {slot}"
+    print(f"race: {where}: {job.label} seed {job.seed} -> {job.run_dir}", file=sys.stderr)
     return job, proc, log
 
 
@@ -334,7 +360,7 @@ def main(argv: list[str]) -> int:
 def _race(args: Args, p: Plan, argv: list[str]) -> int:
     labels, cfgs, jobs = p.labels, p.cfgs, p.jobs
     try:
-        codes = run_all(jobs, gpu_slots(cfgs), args.out / "logs")
+        codes = run_all(jobs, slots(cfgs, args.jobs), args.out / "logs")
     except Stopped as e:
         print(f"gptrain race: {e}", file=sys.stderr)
         return 0

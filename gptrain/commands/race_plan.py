@@ -37,6 +37,7 @@ class Args:
     hellaswag: bool
     overrides: list[str]
     ladder: list[float] | None = None  # multiples of the first config's train.max_steps
+    jobs: int = 1  # CPU runs side by side
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ def parse_args(argv: list[str], usage: str) -> Args:
         "target": [],
         "out": [],
         "ladder": [],
+        "jobs": [],
     }
     hellaswag, rest, i = False, [], 0
     while i < len(argv):
@@ -86,7 +88,16 @@ def parse_args(argv: list[str], usage: str) -> Args:
     n_configs = len(values["config"]) + (len(ladder) - 1 if ladder else 0)  # rungs count
     seeds = _seeds(values["seeds"][-1] if values["seeds"] else "5", n_configs)
     target = _target(values["target"][-1] if values["target"] else "baseline")
-    return Args(values["config"], seeds, target, out, hellaswag, overrides, ladder)
+    jobs = _jobs(values["jobs"][-1] if values["jobs"] else "1")
+    return Args(values["config"], seeds, target, out, hellaswag, overrides, ladder, jobs)
+
+
+def _jobs(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise UserError(
+            f"--jobs {text!r}: give the number of CPU runs to train at a time, 1 or more, e.g. --jobs 2"
+        )
+    return int(text)
 
 
 def _out(text: str) -> Path:
