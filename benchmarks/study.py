@@ -7,20 +7,21 @@ and llm.c's AdamW baseline, tuned alike, raced on two corpora at two sizes and t
     python benchmarks/study.py report    # each race's table, and where its race.json is
 
 Options: --out DIR (default studies/main), --data DIR (default data/study), --corpora prose,code,
---stages data,tune,race, --seeds 3, --ladder 1,1.5,2,3, --budget 16 (tuning trials per arm),
---cap 4, --jobs 2 (the two corpora side by side, one thread each: on 2 cores two one-thread runs
-of these small models do more than one two-thread run).
+--stages data,tune,race, --seeds 3, --ladder 1,2,4, --budget 12 (tuning trials per arm),
+--cap 4, --jobs 2 (one-thread runs at a time: with two corpora, the corpora side by side; with
+one, its tuning's arms and its races' runs side by side. On 2 cores two one-thread runs of these
+small models do more than one two-thread run).
 
 The cells, in the order they run (cheapest first, so that a study stopped part-way has whole
 cells): for each corpus, the small model at ~20 tokens per parameter in its blocks (compute-
 optimal), the large one at ~20, the small one at ~80 (4x). Each cell is one race:
 
     gptrain race --config baseline.toml --config recipe.toml --config ablation.toml
-        --seeds 3 --ladder 1,1.5,2,3 --out OUT/races/<corpus>-<size>-<horizon>
+        --seeds 3 --ladder 1,2,4 --jobs J --out OUT/races/<corpus>-<size>-<horizon>
 
 with the three configs written to OUT/configs/<cell>/ from configs/study_*.toml, the cell's size
 and steps, and the arm's best point of benchmarks/tune.py on the corpus's tuning split (the small
-model at 1x). The ladder trains the baseline at 1, 1.5, 2 and 3 times its steps, so the race can
+model at 1x). The ladder trains the baseline at 1, 2 and 4 times its steps, so the race can
 say how many times the baseline's tokens the recipe's loss is worth, with an interval.
 
 Every stage resumes itself (tuning trials and race runs are run directories); `run` again
@@ -316,8 +317,9 @@ def run_race(args, cell: Cell) -> bool:
     for path in cell_configs(args, cell, tuned(args, cell.corpus)):
         cmd += ["--config", str(path)]
     cmd += ["--seeds", str(args.seeds), "--ladder", args.ladder, "--out", str(out)]
+    cmd += ["--jobs", str(args.jobs)]
     print(f"study: race {cell.name}: {' '.join(cmd)}", file=sys.stderr)
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=one_thread(args))
     if done.returncode != 0:
         raise UserError(f"the race {out} failed (its line is above); fix it and run again")
     if not done.stdout.strip():
@@ -395,7 +397,10 @@ def parse_args(argv: list[str]):
     ap.add_argument("--corpora", default="prose,code", help="comma-separated: prose, code")
     ap.add_argument("--stages", default="data,tune,race", help="run: comma-separated stages")
     ap.add_argument(
-        "--jobs", type=int, default=2, help="run: 2 runs the corpora side by side, one thread each"
+        "--jobs",
+        type=int,
+        default=2,
+        help="run: one-thread runs at a time: the corpora side by side, or one corpus's arms",
     )
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--ladder", default="1,2,4", help="the baseline's step multiples")

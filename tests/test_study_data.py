@@ -1,6 +1,7 @@
 """benchmarks/study_data.py on fake pinned sources (a wheel and a .deb built here, no download):
 the document split (every document in exactly one part, the report's val never in the tuning
-parts, the byte shares, the seed), what becomes a document, and the sha256 check."""
+parts, the byte shares, the seed), what becomes a document, the sha256 check, and the BPE
+trained on the tuning train part alone."""
 
 import gzip
 import hashlib
@@ -162,3 +163,35 @@ def test_a_failed_download_stops_with_one_line(tmp_path, sources, monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "E: Version 1.0 not found" in err[-1]
     assert "fake-doc_1.0_all.deb (sha256 " in err[-1]  # where to put the file by hand
+
+
+def test_each_corpus_is_prepared_with_a_bpe_trained_on_its_tuning_train_part_alone(
+    tmp_path, sources, monkeypatch
+):
+    """The tokenizer equals one trained here on tunetrain's texts (and differs from one trained
+    on every part: the val documents shape nothing); both folders are prepared with it."""
+    import forked
+
+    from gptrain.data.tokenizers import train_bpe
+
+    dl, pinned, _ = sources
+    monkeypatch.setattr(study_data, "subprocess", forked)
+    monkeypatch.setattr(study_data, "SOURCES", pinned)
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--downloads", str(dl), "--heldout", "0.1", "--tuneval", "0.2"]
+    assert study_data.main([*argv, "--vocab", "300"]) == 0
+
+    def read(corpus, part):
+        with open(out / "texts" / corpus / f"{part}.jsonl") as f:
+            return [json.loads(line)["text"] for line in f]
+
+    for corpus in ("prose", "code"):
+        alone = train_bpe(read(corpus, "tunetrain"), 300, tmp_path / f"{corpus}-alone.json")
+        every = [t for part in study_data.PARTS for t in read(corpus, part)]
+        every = train_bpe(every, 300, tmp_path / "every.json")
+        made = hashlib.sha256((out / f"{corpus}-bpe300.json").read_bytes()).hexdigest()
+        assert made == alone.hash != every.hash
+        for folder in (f"{corpus}-tune", corpus):
+            manifest = json.loads((out / folder / "manifest.json").read_text())
+            assert manifest["tokenizer"]["name"] == "bpe"
+            assert manifest["tokenizer"]["hash"] == made and manifest["vocab_size"] == 300
