@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import study_report  # noqa: E402
 import tune  # noqa: E402
 
 from gptrain.cache import atomic_write_bytes  # noqa: E402
@@ -381,10 +382,18 @@ def run(args) -> int:
 
 
 def report(args) -> int:
+    rows = []
     for cell in cells(args.corpora):
         table = args.out / "races" / cell.name / "table.md"
         print(f"\n## {cell.name} ({cell.size.block_params:,} parameters in the blocks, {cell.steps * batch_tokens():,} tokens)\n")  # fmt: skip
         print(table.read_text().strip() if table.is_file() else "not yet run")
+        race = args.out / "races" / cell.name / "race.json"
+        if race.is_file():
+            manifest = json.loads((args.data / cell.corpus / "manifest.json").read_text())
+            train = manifest["splits"]["train"]["tokens"]
+            rows.append(study_report.row(cell.name, json.loads(race.read_text()), train))
+    if rows:
+        print(f"\n## The cells\n\n{study_report.table(rows)}")
     print(f"\nthe numbers behind each table: {args.out}/races/<cell>/race.json", file=sys.stderr)
     return 0
 
