@@ -392,8 +392,9 @@ def report(args) -> int:
             manifest = json.loads((args.data / cell.corpus / "manifest.json").read_text())
             train = manifest["splits"]["train"]["tokens"]
             rows.append(study_report.row(cell.name, json.loads(race.read_text()), train))
-    if rows:
-        print(f"\n## The cells\n\n{study_report.table(rows)}")
+        else:
+            rows.append(study_report.not_run(cell.name))
+    print(f"\n## The cells\n\n{study_report.table(rows)}")
     print(f"\nthe numbers behind each table: {args.out}/races/<cell>/race.json", file=sys.stderr)
     return 0
 

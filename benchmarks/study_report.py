@@ -71,6 +71,13 @@ def row(cell: str, race: dict, train_tokens: int) -> dict:
     }
 
 
+def not_run(cell: str) -> dict:
+    corpus, size, horizon = cell.split("-")
+    row = {"corpus": corpus, "size": size, "horizon": horizon, "tokens": None, "unigram": None}
+    keys = ("baseline", *ARMS, *(f"{arm}_x" for arm in ARMS), "repeats")
+    return row | {"below": None} | dict.fromkeys(keys, "not run")
+
+
 def table(rows: list[dict]) -> str:
     head = (
         "| corpus | size | horizon | tokens | val unigram entropy | baseline val loss (below unigram) "
