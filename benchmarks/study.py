@@ -104,8 +104,11 @@ class Cell:
                 f"eval.every={every}", f"checkpoint.every={max(every, self.steps // 4)}"]  # fmt: skip
 
 
-def cells(corpora: list[str]) -> list[Cell]:
-    order = [("small", 1), ("large", 1), ("small", 4)]
+ORDER = ("small-1x", "large-1x", "small-4x")  # cheapest first
+
+
+def cells(corpora: list[str], names: tuple[str, ...] = ORDER) -> list[Cell]:
+    order = [(n.split("-")[0], int(n.split("-")[1][:-1])) for n in ORDER if n in names]
     return [Cell(c, SIZES[s], h) for s, h in order for c in corpora]
 
 
@@ -341,7 +344,14 @@ def run_parallel(args) -> int:
     for corpus in args.corpora:
         cmd = [sys.executable, __file__, "run", "--jobs", "1", "--corpora", corpus]
         cmd += ["--stages", stages, "--out", str(args.out), "--data", str(args.data)]
-        cmd += ["--seeds", str(args.seeds), "--ladder", args.ladder]
+        cmd += [
+            "--seeds",
+            str(args.seeds),
+            "--ladder",
+            args.ladder,
+            "--cells",
+            ",".join(args.cells),
+        ]
         cmd += ["--budget", str(args.budget), "--cap", str(args.cap)]
         log = args.out / "logs" / f"run-{corpus}.log"
         with open(log, "a") as f:
@@ -374,7 +384,7 @@ def run(args) -> int:
             raise UserError(
                 "gptrain race in this checkout has no --ladder; update gptrain, then run the same command"
             )
-        for cell in cells(args.corpora):
+        for cell in cells(args.corpora, args.cells):
             if not run_race(args, cell):
                 print("study: a race was stopped; run the same command to continue", file=sys.stderr)  # fmt: skip
                 return 0
@@ -412,6 +422,7 @@ def parse_args(argv: list[str]):
         default=2,
         help="run: one-thread runs at a time: the corpora side by side, or one corpus's arms",
     )
+    ap.add_argument("--cells", default=",".join(ORDER), help="run: the races to run, of " + ", ".join(ORDER))  # fmt: skip
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--ladder", default="1,2,4", help="the baseline's step multiples")
     ap.add_argument("--budget", type=int, default=12, help="tuning trials per arm")
@@ -420,6 +431,9 @@ def parse_args(argv: list[str]):
     ap.add_argument("--data-dir", default=None, help="measure: a prepared folder to train on")
     args = ap.parse_args(argv)
     args.corpora = args.corpora.split(",")
+    args.cells = tuple(args.cells.split(","))
+    if bad := [c for c in args.cells if c not in ORDER]:
+        raise UserError(f"--cells: unknown {', '.join(bad)}; choose from {', '.join(ORDER)}")
     if bad := [c for c in args.corpora if c not in ("prose", "code")]:
         raise UserError(f"--corpora: unknown {', '.join(bad)}; choose from prose, code")
     try:
