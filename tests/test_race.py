@@ -593,6 +593,27 @@ def test_with_jobs_on_a_cpu_the_runs_train_side_by_side_and_equal_one_at_a_time(
     assert side["runs"][0]["val_loss"] != side["runs"][1]["val_loss"]
 
 
+def test_jobs_are_refused_for_runs_on_a_gpu_and_for_runs_of_several_processes(configs, monkeypatch):
+    """--jobs shares a CPU's cores: a run on a GPU (one GPU here: no GPU slots) or of 2 processes
+    is refused in one line naming the fix; --jobs 1 changes nothing."""
+    import torch
+
+    from gptrain.config.load import load_config
+
+    cpu = [load_config(configs[0], ["train.device=cpu"])]
+    assert race_cmd.slots(cpu, 1) == [None]
+    assert race_cmd.slots(cpu, 2) == [f"cpu:{max(1, (os.cpu_count() or 1) // 2)}"] * 2
+    two = [load_config(configs[0], ["train.device=cpu", "dist.nproc_per_node=2"])]
+    with pytest.raises(race_plan.UserError, match="runs 2 process"):
+        race_cmd.slots(two, 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    auto = [load_config(configs[0], ["train.device=auto"])]
+    with pytest.raises(race_plan.UserError, match="race on the CPU with --train.device=cpu"):
+        race_cmd.slots(auto, 2)
+    assert race_cmd.slots(cpu, 2)[0].startswith("cpu:")  # on the CPU on purpose: allowed
+
+
 @pytest.mark.parametrize(
     "case, says",
     [

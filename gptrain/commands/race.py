@@ -113,11 +113,17 @@ def gpu_slots(cfgs: list[Config]) -> list[str | None]:
 def slots(cfgs: list[Config], jobs: int) -> list[str | None]:
     """Where the runs go: one per GPU (`gpu_slots`); else with `jobs` > 1 that many CPU slots,
     "cpu:T" (T threads each, the cores shared out); else [None] (one at a time, in process)."""
+    import torch
+
     from gptrain.distributed import launch
 
     gpus = gpu_slots(cfgs)
-    if gpus != [None] or jobs <= 1:
+    if jobs <= 1:
         return gpus
+    if gpus != [None] or (torch.cuda.is_available() and any(c.train.device != "cpu" for c in cfgs)):
+        raise UserError(
+            f"--jobs {jobs} shares a CPU's cores between runs, but these runs train on a GPU (one run per GPU at a time); drop --jobs, or race on the CPU with --train.device=cpu"
+        )
     for c in cfgs:
         n = launch.nproc_for(c.dist.nproc_per_node)
         if n != 1 or str(c.dist.nnodes) != "1":
