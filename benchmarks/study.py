@@ -7,22 +7,28 @@ and llm.c's AdamW baseline, tuned alike, raced on two corpora at two sizes and t
     python benchmarks/study.py report    # each race's table, and where its race.json is
 
 Options: --out DIR (default studies/main), --data DIR (default data/study), --corpora prose,code,
---stages data,tune,race, --seeds 3, --ladder 1,2,4, --budget 12 (tuning trials per arm),
---cap 4, --jobs 2 (one-thread runs at a time: with two corpora, the corpora side by side; with
-one, its tuning's arms and its races' runs side by side. On 2 cores two one-thread runs of these
-small models do more than one two-thread run).
+--stages data,tune,race, --cells small-1x,large-1x,small-4x, --seeds 3, --baseline-ladder
+0.5,1,2, --recipe-ladder 0.125,0.25,0.5,1, --budget 12 (tuning trials per arm), --cap 4, --jobs 2
+(one-thread runs at a time: with two corpora, the corpora side by side; with one, its tuning's
+arms and its races' runs side by side. On 2 cores two one-thread runs of these small models do
+more than one two-thread run).
 
 The cells, in the order they run (cheapest first, so that a study stopped part-way has whole
 cells): for each corpus, the small model at ~20 tokens per parameter in its blocks (compute-
-optimal), the large one at ~20, the small one at ~80 (4x). Each cell is one race:
+optimal), the large one at ~20, the small one at ~80 (4x). Each cell is two races of complete
+runs (every rung its own schedule), with the three configs written to OUT/configs/<cell>/ from
+configs/study_*.toml, the cell's size and steps, and each arm's best point of benchmarks/tune.py
+on the corpus's tuning split (the small model at 1x):
 
-    gptrain race --config baseline.toml --config recipe.toml --config ablation.toml
-        --seeds 3 --ladder 1,2,4 --jobs J --out OUT/races/<corpus>-<size>-<horizon>
+    gptrain race --config baseline.toml --config ablation.toml --ladder 0.5,1,2
+        --seeds 3 --jobs J --out OUT/races/<cell>/baseline-ladder
+    gptrain race --config recipe.toml --config baseline.toml --ladder 0.125,0.25,0.5,1
+        --seeds 3 --jobs J --out OUT/races/<cell>/recipe-ladder
 
-with the three configs written to OUT/configs/<cell>/ from configs/study_*.toml, the cell's size
-and steps, and the arm's best point of benchmarks/tune.py on the corpus's tuning split (the small
-model at 1x). The ladder trains the baseline at 1, 2 and 4 times its steps, so the race can
-say how many times the baseline's tokens the recipe's loss is worth, with an interval.
+The first says how many times the baseline's tokens the ablation's loss is worth; the second at
+how many tokens the recipe reaches the baseline's loss, whose inverse is the recipe's multiplier
+(benchmarks/study_report.py): each crossing falls inside a ladder whatever the size of the gap,
+and the recipe's ladder reads no token twice.
 
 Every stage resumes itself (tuning trials and race runs are run directories); `run` again
 after any stop continues where it was.
@@ -128,21 +134,19 @@ def run_seconds(cell: Cell, speed: dict, multiple: float = 1.0) -> float:
 
 def plan_rows(args, speeds: dict[str, dict]) -> list[dict]:
     """Each stage's runs and projected CPU seconds (None where its size is not measured)."""
-    rows, ladder = [], [float(m) for m in args.ladder.split(",")]
+    rows = []
+    ladders = [multiples(text) for text, _ in race_specs(args)]
     for corpus in args.corpora:
         cell = tune_cell(corpus)
         n, speed = len(ARMS) * args.budget, speeds.get(cell.size.name)
         s = n * run_seconds(cell, speed) if speed else None
         rows.append({"stage": "tune", "cell": cell, "runs": f"{n} (+ up to {len(ARMS) * args.cap})", "s": s})  # fmt: skip
     for cell in cells(args.corpora):
-        runs, speed, s = (
-            args.seeds * (len(ladder) + len(ARMS) - 1),
-            speeds.get(cell.size.name),
-            None,
-        )
-        if speed:
-            per_seed = sum(run_seconds(cell, speed, m) for m in ladder)
-            s = args.seeds * (per_seed + (len(ARMS) - 1) * run_seconds(cell, speed))
+        runs = args.seeds * sum(len(ladder) + 1 for ladder in ladders)
+        speed, s = speeds.get(cell.size.name), None
+        if speed:  # each race: its ladder's rungs and one run of its other config
+            per_seed = sum(run_seconds(cell, speed, m) for ladder in ladders for m in [*ladder, 1])
+            s = args.seeds * per_seed
         rows.append({"stage": "race", "cell": cell, "runs": str(runs), "s": s})
     return rows
 
@@ -314,22 +318,36 @@ def race_has_ladder() -> bool:
     return "--ladder" in subprocess.run(cmd, capture_output=True, text=True).stdout
 
 
+def multiples(text: str) -> list[float]:
+    return [float(m) for m in text.split(",")]
+
+
+def race_specs(args) -> list[tuple[str, tuple[str, str]]]:
+    """The cell's two races, (ladder, (the laddered arm, the other arm)): the baseline's ladder
+    measures the ablation against it; the recipe's ladder measures the baseline against the
+    recipe, whose multiplier is the inverse (the tokens the recipe needs for the baseline's loss)."""
+    return [(args.baseline_ladder, ("baseline", "ablation")), (args.recipe_ladder, ("recipe", "baseline"))]  # fmt: skip
+
+
 def run_race(args, cell: Cell) -> bool:
-    """The cell's race; its table in OUT/races/<cell>/table.md. False when it was stopped."""
-    out = args.out / "races" / cell.name
-    cmd = [sys.executable, "-m", "gptrain", "race"]
-    for path in cell_configs(args, cell, tuned(args, cell.corpus)):
-        cmd += ["--config", str(path)]
-    cmd += ["--seeds", str(args.seeds), "--ladder", args.ladder, "--out", str(out)]
-    cmd += ["--jobs", str(args.jobs)]
-    print(f"study: race {cell.name}: {' '.join(cmd)}", file=sys.stderr)
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=one_thread(args))
-    if done.returncode != 0:
-        raise UserError(f"the race {out} failed (its line is above); fix it and run again")
-    if not done.stdout.strip():
-        return False
-    atomic_write_bytes(out / "table.md", done.stdout.encode())
-    print(f"\n## {cell.name}\n\n{done.stdout}")
+    """The cell's two races, OUT/races/<cell>/<arm>-ladder, each with its table.md. False when
+    one was stopped."""
+    paths = dict(zip(ARMS, cell_configs(args, cell, tuned(args, cell.corpus)), strict=True))
+    for ladder, arms in race_specs(args):
+        out = args.out / "races" / cell.name / f"{arms[0]}-ladder"
+        cmd = [sys.executable, "-m", "gptrain", "race"]
+        for arm in arms:
+            cmd += ["--config", str(paths[arm])]
+        cmd += ["--seeds", str(args.seeds), "--ladder", ladder, "--out", str(out)]
+        cmd += ["--jobs", str(args.jobs)]
+        print(f"study: race {cell.name}: {' '.join(cmd)}", file=sys.stderr)
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=one_thread(args))
+        if done.returncode != 0:
+            raise UserError(f"the race {out} failed (its line is above); fix it and run again")
+        if not done.stdout.strip():
+            return False
+        atomic_write_bytes(out / "table.md", done.stdout.encode())
+        print(f"\n## {cell.name}, the {arms[0]}'s ladder\n\n{done.stdout}")
     return True
 
 
@@ -347,8 +365,10 @@ def run_parallel(args) -> int:
         cmd += [
             "--seeds",
             str(args.seeds),
-            "--ladder",
-            args.ladder,
+            "--baseline-ladder",
+            args.baseline_ladder,
+            "--recipe-ladder",
+            args.recipe_ladder,
             "--cells",
             ",".join(args.cells),
         ]
@@ -394,18 +414,24 @@ def run(args) -> int:
 def report(args) -> int:
     rows = []
     for cell in cells(args.corpora):
-        table = args.out / "races" / cell.name / "table.md"
-        print(f"\n## {cell.name} ({cell.size.block_params:,} parameters in the blocks, {cell.steps * batch_tokens():,} tokens)\n")  # fmt: skip
-        print(table.read_text().strip() if table.is_file() else "not yet run")
-        race = args.out / "races" / cell.name / "race.json"
-        if race.is_file():
-            manifest = json.loads((args.data / cell.corpus / "manifest.json").read_text())
-            train = manifest["splits"]["train"]["tokens"]
-            rows.append(study_report.row(cell.name, json.loads(race.read_text()), train))
-        else:
+        folder = args.out / "races" / cell.name
+        print(f"\n## {cell.name} ({cell.size.block_params:,} parameters in the blocks, {cell.steps * batch_tokens():,} tokens)")  # fmt: skip
+        races = {}
+        for _, arms in race_specs(args):
+            table, race = (
+                folder / f"{arms[0]}-ladder" / name for name in ("table.md", "race.json")
+            )
+            print(f"\n### The {arms[0]}'s ladder\n")
+            print(table.read_text().strip() if table.is_file() else "not yet run")
+            races[arms[0]] = json.loads(race.read_text()) if race.is_file() else None
+        if not any(races.values()):
             rows.append(study_report.not_run(cell.name))
+            continue
+        manifest = json.loads((args.data / cell.corpus / "manifest.json").read_text())
+        train = manifest["splits"]["train"]["tokens"]
+        rows.append(study_report.row(cell.name, races["baseline"], races["recipe"], train))
     print(f"\n## The cells\n\n{study_report.table(rows)}")
-    print(f"\nthe numbers behind each table: {args.out}/races/<cell>/race.json", file=sys.stderr)
+    print(f"\nthe numbers behind each table: {args.out}/races/<cell>/<arm>-ladder/race.json", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -424,7 +450,8 @@ def parse_args(argv: list[str]):
     )
     ap.add_argument("--cells", default=",".join(ORDER), help="run: the races to run, of " + ", ".join(ORDER))  # fmt: skip
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--ladder", default="1,2,4", help="the baseline's step multiples")
+    ap.add_argument("--baseline-ladder", default="0.5,1,2", help="the baseline's step multiples")
+    ap.add_argument("--recipe-ladder", default="0.125,0.25,0.5,1", help="the recipe's")
     ap.add_argument("--budget", type=int, default=12, help="tuning trials per arm")
     ap.add_argument("--cap", type=int, default=4, help="extra trials to leave a grid's edge")
     ap.add_argument("--seconds", type=int, default=15, help="measure: seconds of each run")
@@ -436,10 +463,11 @@ def parse_args(argv: list[str]):
         raise UserError(f"--cells: unknown {', '.join(bad)}; choose from {', '.join(ORDER)}")
     if bad := [c for c in args.corpora if c not in ("prose", "code")]:
         raise UserError(f"--corpora: unknown {', '.join(bad)}; choose from prose, code")
-    try:
-        [float(m) for m in args.ladder.split(",")]
-    except ValueError:
-        raise UserError(f"--ladder {args.ladder!r}: write multiples as 1,1.5,2,3") from None
+    for flag, text in (("--baseline-ladder", args.baseline_ladder), ("--recipe-ladder", args.recipe_ladder)):  # fmt: skip
+        try:
+            multiples(text)
+        except ValueError:
+            raise UserError(f"{flag} {text!r}: write multiples as 0.5,1,2") from None
     return args
 
 

@@ -1,12 +1,17 @@
-"""The study's results table (docs/study.md): one row per cell, read from each cell's race.json.
+"""The study's results table (docs/study.md): one row per cell, read from its two races'
+race.json: the baseline's ladder (the ablation against it) and the recipe's ladder (the baseline
+against it).
 
-    rows = [row(cell_name, race, train_tokens) for ...]; print(table(rows))
+    rows = [row(cell_name, baseline_race, recipe_race, train_tokens) for ...]; print(table(rows))
 
 A row holds the regime (the val split's unigram entropy under the train split's counts), each
-arm's mean final val loss with its seed spread, and the recipe's and the ablation's compute
-multipliers against the baseline's ladder with their 95% bootstrap intervals (or a bound and its
-one-sided p-value), plus the power law's value where the ladder has 3 rungs or more. A rung
-that trains on more tokens than the train split holds is marked: it reads tokens twice.
+arm's mean final val loss at 1x with its seed spread, and the recipe's and the ablation's compute
+multipliers against the baseline with their 95% bootstrap intervals (or a bound and its one-sided
+p-value), plus the power law's value where a ladder has 3 rungs or more. The ablation's is read
+on the baseline's ladder. The recipe's is the inverse of the baseline's on the recipe's ladder:
+the baseline's tokens over the tokens at which the recipe's complete runs reach the baseline's
+loss (an interval inverts end for end; a bound flips). A rung that trains on more tokens than the
+train split holds is marked: it reads tokens twice.
 """
 
 from __future__ import annotations
@@ -25,9 +30,18 @@ def _loss(c: dict | None) -> str:
     return f"{v['mean']:.4f}" + (f" ± {v['sd']:.4f}" if v.get("sd") is not None else "")
 
 
-def _multiplier(c: dict | None) -> str:
+def invert(m: dict) -> dict:
+    """The multiplier of the ladder's config against the candidate, from the candidate's against
+    the ladder: 1/value, the interval's ends swapped and inverted, a bound's direction flipped."""
+    ci = m["ci"] and [None if v is None else 1 / v for v in reversed(m["ci"])]
+    out = {"value": 1 / m["value"], "bound": {">": "<", "<": ">", None: None}[m["bound"]]}
+    out |= {"ci": ci, "p": m["p"], "fit_extrapolated": m.get("fit_extrapolated")}
+    fit = m.get("fit_value")
+    return out | {"fit_value": None if not fit else 1 / fit}
+
+
+def _multiplier(m: dict | None) -> str:
     """ "2.31x [1.95, 2.70]", "> 4x (p 0.002)" or "< 1x (p 0.03)", and the fit's value."""
-    m = (c or {}).get("compute_multiplier")
     if not m or "value" not in m:
         return "not run"
     if m["bound"]:
@@ -45,28 +59,41 @@ def _multiplier(c: dict | None) -> str:
     return text
 
 
-def row(cell: str, race: dict, train_tokens: int) -> dict:
-    """One cell's numbers: `cell` is <corpus>-<size>-<horizon>; `train_tokens` the race data's
-    train split, to mark ladder rungs that read it more than once."""
-    corpus, size, horizon = cell.split("-")
-    rungs = race.get("ladder") or {race["baseline"]: 1.0}
-    base = _config(race, race["baseline"])
-    repeats = [
-        f"{m:g}x"
-        for label, m in rungs.items()
+def _repeats(race: dict | None, train_tokens: int) -> list[str]:
+    if not race or not race.get("ladder"):
+        return []
+    return [
+        label
+        for label in race["ladder"]
         if (c := _config(race, label)) and c.get("tokens") and c["tokens"]["mean"] > train_tokens
     ]
-    unigram = race.get("unigram") or {}
+
+
+def row(cell: str, baseline_race: dict | None, recipe_race: dict | None, train_tokens: int) -> dict:
+    """One cell's numbers: `cell` is <corpus>-<size>-<horizon>; either race may be missing (not
+    run yet); `train_tokens` the race data's train split, to mark rungs that read it twice."""
+    corpus, size, horizon = cell.split("-")
+    base = _config(baseline_race, "baseline@1") if baseline_race else None
+    if not base and recipe_race:
+        base = _config(recipe_race, "baseline")
+    recipe = _config(recipe_race, "recipe@1") if recipe_race else None
+    ablation = _config(baseline_race, "ablation") if baseline_race else None
+    against = (_config(recipe_race, "baseline") or {}).get("compute_multiplier") if recipe_race else None  # fmt: skip
+    unigram = ((baseline_race or recipe_race) or {}).get("unigram") or {}
+    below = unigram["nats"] - base["val_loss"]["mean"] if unigram and base else None
+    repeats = _repeats(baseline_race, train_tokens) + _repeats(recipe_race, train_tokens)
     return {
         "corpus": corpus,
         "size": size,
         "horizon": horizon,
         "tokens": base["tokens"]["mean"] if base and base.get("tokens") else None,
         "unigram": unigram.get("nats"),
-        "below": base.get("below_unigram") if base else None,
+        "below": below,
         "baseline": _loss(base),
-        **{arm: _loss(_config(race, arm)) for arm in ARMS},
-        **{f"{arm}_x": _multiplier(_config(race, arm)) for arm in ARMS},
+        "recipe": _loss(recipe),
+        "ablation": _loss(ablation),
+        "recipe_x": _multiplier(invert(against) if against and "value" in against else None),
+        "ablation_x": _multiplier((ablation or {}).get("compute_multiplier")),
         "repeats": ", ".join(repeats) or "none",
     }
 

@@ -1,6 +1,7 @@
-"""benchmarks/study_report.py: the study's table shows each cell's race as the race computed it:
-a hand-checked multiplier and its interval, a bound with its p-value, the regime, the rungs that
-read the train split twice."""
+"""benchmarks/study_report.py: the study's table shows each cell's two races as the races computed
+them: the recipe's multiplier, the inverse of the baseline's on the recipe's ladder, checked by
+hand with its interval; the ablation's bound with its p-value; the regime; the rungs that read
+the train split twice."""
 
 import math
 import sys
@@ -14,36 +15,64 @@ from gptrain.logs.race import analyse
 sys.path.insert(0, str(REPO / "benchmarks"))
 import study_report  # noqa: E402
 
+SEEDS = ((1, -0.01), (2, 0.0), (3, 0.01))
 
-def cell_race():
-    """Rungs end at 3.0 (1000 tokens) and 2.0 (2000); the recipe ends at 2.5 with 1000 tokens,
-    halfway in loss: 2^0.5 = 1.414x the baseline's tokens. The ablation ends below every rung."""
+
+def baseline_race():
+    """The baseline's ladder: 0.5x, 1x, 2x end at 3.5, 3.0, 2.6; the ablation at 1x ends at
+    2.0, below every rung."""
     runs = []
-    for seed, off in ((1, -0.01), (2, 0.0), (3, 0.01)):
-        runs.append(synthetic("baseline@1", seed, 1000, [5.0], 3.0 + off))
-        runs.append(synthetic("baseline@2", seed, 2000, [5.0], 2.0 + off))
-        runs.append(synthetic("recipe", seed, 1000, [5.0], 2.5 + off))
-        runs.append(synthetic("ablation", seed, 1000, [5.0], 1.5 + off))
-    labels = ["baseline@1", "baseline@2", "recipe", "ablation"]
-    rungs = {"baseline@1": 1.0, "baseline@2": 2.0}
-    return analyse(runs, labels, "baseline", rungs, {"nats": 4.25})
+    for seed, off in SEEDS:
+        for m, loss in ((0.5, 3.5), (1, 3.0), (2, 2.6)):
+            runs.append(synthetic(f"baseline@{m:g}", seed, int(1000 * m), [5.0], loss + off))
+        runs.append(synthetic("ablation", seed, 1000, [5.0], 2.0 + off))
+    rungs = {"baseline@0.5": 0.5, "baseline@1": 1.0, "baseline@2": 2.0}
+    return analyse(runs, [*rungs, "ablation"], "baseline", rungs, {"nats": 4.25})
 
 
-def test_a_cell_row_shows_the_races_multiplier_interval_bound_and_regime():
-    race = cell_race()
-    recipe = race["configs"][2]["compute_multiplier"]
-    assert recipe["value"] == pytest.approx(math.sqrt(2), rel=1e-12)  # by hand
-    r = study_report.row("code-small-1x", race, train_tokens=1500)
-    lo, hi = recipe["ci"]
-    assert r["recipe_x"] == f"{math.sqrt(2):.3g}x [{lo:.3g}, {hi:.3g}]"
-    ablation = race["configs"][3]["compute_multiplier"]
+def recipe_race():
+    """The recipe's ladder: 0.25x, 0.5x, 1x end at 3.25, 2.75, 2.25; the baseline at 1x (1000
+    tokens) ends at 3.0, halfway in loss between the 0.25x and 0.5x rungs: the recipe reaches it
+    at sqrt(250 * 500) tokens, so its multiplier is 1000 / 353.55 = 2^1.5."""
+    runs = []
+    for seed, off in SEEDS:
+        for m, loss in ((0.25, 3.25), (0.5, 2.75), (1, 2.25)):
+            runs.append(synthetic(f"recipe@{m:g}", seed, int(1000 * m), [5.0], loss + off))
+        runs.append(synthetic("baseline", seed, 1000, [5.0], 3.0 + off))
+    rungs = {"recipe@0.25": 0.25, "recipe@0.5": 0.5, "recipe@1": 1.0}
+    return analyse(runs, [*rungs, "baseline"], "baseline", rungs, {"nats": 4.25})
+
+
+def test_a_cell_row_shows_both_races_multipliers_intervals_bounds_and_regime():
+    base, rec = baseline_race(), recipe_race()
+    against = rec["configs"][3]["compute_multiplier"]
+    assert against["value"] == pytest.approx(2**-1.5, rel=1e-12)
+    r = study_report.row("code-small-1x", base, rec, train_tokens=1500)
+    lo, hi = against["ci"]
+    assert r["recipe_x"].startswith(f"{2**1.5:.3g}x [{1 / hi:.3g}, {1 / lo:.3g}]")
+    assert 1 / hi < 2**1.5 < 1 / lo
+    ablation = base["configs"][3]["compute_multiplier"]
     assert ablation["bound"] == ">" and r["ablation_x"].startswith("> 2x (p ")
     assert f"{ablation['p']:.2g}" in r["ablation_x"]
     assert (r["corpus"], r["size"], r["horizon"]) == ("code", "small", "1x")
     assert r["unigram"] == 4.25 and r["below"] == pytest.approx(4.25 - 3.0, abs=1e-12)
-    assert r["baseline"] == "3.0000 ± 0.0100" and r["repeats"] == "2x"  # 2000 > 1500 tokens
-    assert study_report.row("code-small-1x", race, train_tokens=5000)["repeats"] == "none"
-    text = study_report.table([r])
+    assert r["baseline"] == "3.0000 ± 0.0100" and r["recipe"] == "2.2500 ± 0.0100"
+    assert r["repeats"] == "baseline@2"  # 2000 tokens > 1500
+    assert study_report.row("code-small-1x", base, rec, 5000)["repeats"] == "none"
+    text = study_report.table([r, study_report.not_run("prose-large-1x")])
     assert text.splitlines()[2].startswith(
         "| code | small | 1x | 0.00M | 4.250 | 3.0000 ± 0.0100 (1.25) |"
     )
+    assert text.splitlines()[3].startswith("| prose | large | 1x | not run |")
+
+
+def test_inverting_flips_a_bound_and_opens_the_right_end():
+    """The baseline beyond the recipe's lowest rung ("<": the recipe's smallest run already beats
+    it) is the recipe's "> 1/value"; an open upper end of the interval becomes an open lower end."""
+    m = {"value": 0.25, "bound": "<", "ci": [None, 0.5], "p": 0.01, "fit_value": 0.2}
+    m["fit_extrapolated"] = True
+    inv = study_report.invert(m)
+    assert inv["value"] == 4.0 and inv["bound"] == ">" and inv["p"] == 0.01
+    assert inv["ci"] == [2.0, None] and inv["fit_value"] == 5.0
+    assert study_report._multiplier(inv) == "> 4x (p 0.01); fit 5x (extrapolated)"
+    assert math.isclose(study_report.invert(inv)["value"], 0.25)
