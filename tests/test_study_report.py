@@ -18,29 +18,29 @@ import study_report  # noqa: E402
 SEEDS = ((1, -0.01), (2, 0.0), (3, 0.01))
 
 
+def ladder_race(arm, rungs, other, other_loss):
+    """A race of `arm` on a ladder (multiple -> final loss; 1x is 1000 tokens) and `other` at 1x,
+    3 seeds around each loss, regime 4.25 nats."""
+    runs = []
+    for seed, off in SEEDS:
+        for m, loss in rungs.items():
+            runs.append(synthetic(f"{arm}@{m:g}", seed, int(1000 * m), [5.0], loss + off))
+        runs.append(synthetic(other, seed, 1000, [5.0], other_loss + off))
+    labels = {f"{arm}@{m:g}": float(m) for m in rungs}
+    return analyse(runs, [*labels, other], "baseline", labels, {"nats": 4.25})
+
+
 def baseline_race():
     """The baseline's ladder: 0.5x, 1x, 2x end at 3.5, 3.0, 2.6; the ablation at 1x ends at
     2.0, below every rung."""
-    runs = []
-    for seed, off in SEEDS:
-        for m, loss in ((0.5, 3.5), (1, 3.0), (2, 2.6)):
-            runs.append(synthetic(f"baseline@{m:g}", seed, int(1000 * m), [5.0], loss + off))
-        runs.append(synthetic("ablation", seed, 1000, [5.0], 2.0 + off))
-    rungs = {"baseline@0.5": 0.5, "baseline@1": 1.0, "baseline@2": 2.0}
-    return analyse(runs, [*rungs, "ablation"], "baseline", rungs, {"nats": 4.25})
+    return ladder_race("baseline", {0.5: 3.5, 1: 3.0, 2: 2.6}, "ablation", 2.0)
 
 
 def recipe_race():
     """The recipe's ladder: 0.25x, 0.5x, 1x end at 3.25, 2.75, 2.25; the baseline at 1x (1000
     tokens) ends at 3.0, halfway in loss between the 0.25x and 0.5x rungs: the recipe reaches it
     at sqrt(250 * 500) tokens, so its multiplier is 1000 / 353.55 = 2^1.5."""
-    runs = []
-    for seed, off in SEEDS:
-        for m, loss in ((0.25, 3.25), (0.5, 2.75), (1, 2.25)):
-            runs.append(synthetic(f"recipe@{m:g}", seed, int(1000 * m), [5.0], loss + off))
-        runs.append(synthetic("baseline", seed, 1000, [5.0], 3.0 + off))
-    rungs = {"recipe@0.25": 0.25, "recipe@0.5": 0.5, "recipe@1": 1.0}
-    return analyse(runs, [*rungs, "baseline"], "baseline", rungs, {"nats": 4.25})
+    return ladder_race("recipe", {0.25: 3.25, 0.5: 2.75, 1: 2.25}, "baseline", 3.0)
 
 
 def test_a_cell_row_shows_both_races_multipliers_intervals_bounds_and_regime():
