@@ -8,7 +8,7 @@ and llm.c's AdamW baseline, tuned alike, raced on two corpora at two sizes and t
 
 Options: --out DIR (default studies/main), --data DIR (default data/study), --corpora prose,code,
 --stages data,tune,race, --cells small-1x,large-1x,small-4x, --seeds 3, --baseline-ladder
-0.5,1,2, --recipe-ladder 0.125,0.25,0.5,1, --budget 12 (tuning trials per arm), --cap 4, --jobs 2
+0.5,1,2, --recipe-ladder 0.125,0.25,0.5,1, --budget 12 (tuning trials per arm), --cap 16, --jobs 2
 (one-thread runs at a time: with two corpora, the corpora side by side; with one, its tuning's
 arms and its races' runs side by side. On 2 cores two one-thread runs of these small models do
 more than one two-thread run).
@@ -453,7 +453,7 @@ def parse_args(argv: list[str]):
     ap.add_argument("--baseline-ladder", default="0.5,1,2", help="the baseline's step multiples")
     ap.add_argument("--recipe-ladder", default="0.125,0.25,0.5,1", help="the recipe's")
     ap.add_argument("--budget", type=int, default=12, help="tuning trials per arm")
-    ap.add_argument("--cap", type=int, default=4, help="extra trials to leave a grid's edge")
+    ap.add_argument("--cap", type=int, default=16, help="extra trials to leave a grid's edge")
     ap.add_argument("--seconds", type=int, default=15, help="measure: seconds of each run")
     ap.add_argument("--data-dir", default=None, help="measure: a prepared folder to train on")
     args = ap.parse_args(argv)

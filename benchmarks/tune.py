@@ -2,7 +2,7 @@
 trials of one seed on the tuning split, by the same search rule.
 
     python benchmarks/tune.py --data.dir=data/study/prose-tune --out tuning/prose [--budget 16]
-        [--arms baseline,recipe,ablation] [--cap 4] [--jobs 1] [--section.key=value ...]
+        [--arms baseline,recipe,ablation] [--cap 16] [--jobs 1] [--section.key=value ...]
 
 The arms and what each searches (its config's values are the search's starting point):
 
@@ -139,7 +139,7 @@ def train_trial(arm: Arm, run_dir: Path, overrides: list[str]) -> float:
 
 def parse_args(argv: list[str]) -> dict:
     """tune.py's own flags; the rest are `--section.key=value` overrides of every trial."""
-    own = {"out": None, "budget": "16", "cap": "4", "arms": ",".join(ARMS), "jobs": "1"}
+    own = {"out": None, "budget": "16", "cap": "16", "arms": ",".join(ARMS), "jobs": "1"}
     rest, i = [], 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
