@@ -154,9 +154,11 @@ def tune(
 ) -> dict[str, int]:
     """Run every arm's search with `trial(arm, point) -> loss` (then `after()`, when given);
     returns each arm's trial count. Phase 1: `budget` trials each; phase 2: an arm at an edge gets
-    up to `cap` more that only extend and fill; phase 3: every arm is brought to the largest count.
-    An arm's search depends on its own results only, so `jobs` arms run side by side (threads,
-    each trial its own process) and propose the same trials as one at a time."""
+    trials that only extend and fill, up to `budget + cap` in all; phase 3: every arm is brought to
+    the largest count. A trial of phase 3 can move an arm's best to a point at an edge, so phases
+    2 and 3 repeat until no arm below `budget + cap` is at an edge (each round adds a trial, so it
+    ends). An arm's search depends on its own results only, so `jobs` arms run side by side
+    (threads, each trial its own process) and propose the same trials as one at a time."""
     lock = threading.Lock()
 
     def step(arm: str, refine: bool) -> bool:
@@ -171,19 +173,26 @@ def tune(
                 after()
         return True
 
-    def first(arm: str) -> bool:  # one trial of phases 1 and 2; False when the arm is through
+    def edged(arm: str) -> bool:
         s = searches[arm]
-        if len(s.order) < budget:
+        return len(s.order) < budget + cap and s.at_edge()
+
+    def first(arm: str) -> bool:  # one trial of phases 1 and 2; False when the arm is through
+        if len(searches[arm].order) < budget:
             return step(arm, True) or first(arm)
-        return len(s.order) < budget + cap and s.at_edge() and step(arm, False)
+        return edged(arm) and step(arm, False)
 
     def level(arm: str, most: int) -> bool:
         return len(searches[arm].order) < most and step(arm, True)
 
-    _each(first, list(searches), jobs)
-    most = max(len(s.order) for s in searches.values())
-    _each(lambda arm: level(arm, most), list(searches), jobs)
-    return {arm: len(s.order) for arm, s in searches.items()}
+    arms = list(searches)
+    _each(first, arms, jobs)
+    while True:
+        most = max(len(s.order) for s in searches.values())
+        _each(lambda arm, most=most: level(arm, most), arms, jobs)
+        if not any(edged(arm) for arm in arms):
+            return {arm: len(s.order) for arm, s in searches.items()}
+        _each(first, arms, jobs)
 
 
 def _each(fn, arms: list[str], jobs: int) -> None:

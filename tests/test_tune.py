@@ -89,6 +89,16 @@ def test_every_arm_ends_with_the_same_number_of_trials():
     assert len(set(two.order)) == 16 and two.position(0) == "inside"
 
 
+def test_a_best_moved_to_an_edge_while_levelling_is_filled_and_levelled_again():
+    """Bringing the arms level can move an arm's best to a point at an edge; that arm then fills
+    again and the others are brought level again: every arm ends inside, with equal counts."""
+    arms = {"a": (LR, SHARE), "c": (LR, SHARE, WD)}
+    optima = {"a": {"lr": 0.0183, "share": 0.334}, "c": {"lr": 0.0049, "share": 0.113, "wd": 0.1}}
+    searches, counts = run(arms, optima, budget=8, cap=12)
+    assert counts["a"] == counts["c"] > 10  # levelling at 10 left "a" at an edge: it filled on
+    assert not any(s.at_edge() for s in searches.values())
+
+
 def test_an_edge_is_extended_before_anything_is_refined():
     s = Search((LR, SHARE))
     loss = bowl({"lr": 4e-3 / 8, "share": 0.4}, s.axes)
