@@ -186,13 +186,12 @@ def tune(
         return len(searches[arm].order) < most and step(arm, True)
 
     arms = list(searches)
-    _each(first, arms, jobs)
     while True:
+        _each(first, arms, jobs)
         most = max(len(s.order) for s in searches.values())
         _each(lambda arm, most=most: level(arm, most), arms, jobs)
         if not any(edged(arm) for arm in arms):
             return {arm: len(s.order) for arm, s in searches.items()}
-        _each(first, arms, jobs)
 
 
 def _each(fn, arms: list[str], jobs: int) -> None:

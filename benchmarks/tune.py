@@ -26,9 +26,9 @@ Budget: each arm runs `--budget` trials; an arm whose best is still at an edge t
 count, the largest, with more trials by the same rule. Where such a trial moves an arm's best to
 an edge, that arm fills again and the others are brought level again, until no arm short of
 budget + cap is at an edge. Every arm ends with the same number of trials (unless one runs out
-of points to try: the table says so). `--jobs 2` runs two arms'
-searches side by side (give each trial one thread: OMP_NUM_THREADS=1); each arm's search depends
-on its own results only, so it tries the same points as one arm at a time.
+of points to try: the table says so). `--jobs 2` runs two arms' searches side by side (give each
+trial one thread: OMP_NUM_THREADS=1); each arm's search depends on its own results only, so it
+tries the same points as one arm at a time.
 
 Each trial is an ordinary run directory, OUT/<arm>/<point> (`gptrain train --config ARM
 [overrides] --train.seed=1 --run.dir=...`): it resumes itself, and a finished one is read from
