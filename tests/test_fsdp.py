@@ -298,7 +298,7 @@ def test_crafted_dcp_index_runs_nothing(dcp_run, tmp_path):
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "hf").exists()
 
 
-def test_nccl_errors_surface_as_exceptions_and_user_settings_win():
+def test_nccl_error_handling_is_set_unless_the_user_set_it_and_attempts_get_their_own_prefix():
     env = {}
     failures.nccl_error_handling(env)
     assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # abort communicators, not the process

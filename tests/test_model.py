@@ -102,10 +102,17 @@ def test_weight_tying_and_state_dict_roundtrip():
     assert other.lm_head.weight is other.transformer.wte.weight  # still tied after loading
     idx = torch.randint(0, 100, (2, 16))
     torch.testing.assert_close(other(idx)[0], model(idx)[0], rtol=0, atol=0)
-    # a gradient step through both uses lands on the one tensor
-    _, loss = model(idx, idx)
-    loss.backward()
-    assert model.transformer.wte.weight.grad is model.lm_head.weight.grad
+    # the tied gradient is the sum of both uses' gradients, taken from an untied copy
+    untied = copy.deepcopy(model)
+    untied.lm_head.weight = torch.nn.Parameter(untied.transformer.wte.weight.detach().clone())
+    model(idx, idx)[1].backward()
+    untied(idx, idx)[1].backward()
+    both = untied.transformer.wte.weight.grad + untied.lm_head.weight.grad
+    assert (
+        untied.lm_head.weight.grad.abs().sum() > 0
+        and untied.transformer.wte.weight.grad.abs().sum() > 0
+    )
+    torch.testing.assert_close(model.transformer.wte.weight.grad, both, rtol=1e-5, atol=1e-7)
 
 
 def _padded_rows_dominate(model: GPT) -> None:

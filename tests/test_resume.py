@@ -66,22 +66,33 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(byte_data, tmp_path, every,
 
 
 def test_half_written_checkpoint_is_invisible(byte_data, tmp_path):
-    run_dir = tmp_path / "run"
-    run(
-        byte_data,
-        run_dir,
-        "train.max_steps=4",
+    """A crash while writing step 6 leaves its temporary folder: resume takes step 4, the save of
+    step 6 succeeds over the leftover, and the run ends equal to one that never crashed."""
+    common = [
+        "train.max_steps=6",
         "optim.warmup_steps=1",
         "checkpoint.every=2",
         "eval.every=0",
         "eval.sample_every=0",
         "eval.tokens=512",
-    )
-    # a crash in the middle of writing step 6: its temporary folder exists, `latest` is unchanged
-    tmp = run_dir / "checkpoints" / ".tmp-step_00000006"
+    ]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run(byte_data, full, *common)
+    shutil.copytree(full, cut)
+    # the crash: step 6 was being written; `latest` still names step 4
+    shutil.rmtree(cut / "checkpoints" / "step_00000006")
+    (cut / "checkpoints" / "latest").write_text("step_00000004\n")
+    tmp = cut / "checkpoints" / ".tmp-step_00000006"
     tmp.mkdir()
     (tmp / "model.safetensors").write_bytes(b"partial")
-    assert checkpoint.latest(run_dir).name == "step_00000004"
+    assert checkpoint.latest(cut).name == "step_00000004"
+    summary = run(byte_data, cut, *common)
+    assert summary["steps"] == 6
+    assert checkpoint.latest(cut).name == "step_00000006"
+    a, b = weights(full), weights(cut)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 def test_resume_none_refuses_to_overwrite(byte_data, tmp_path, capsys):
