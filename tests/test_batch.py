@@ -11,6 +11,8 @@ import torch
 
 from gptrain.__main__ import main as cli
 from gptrain.config.load import load_config, to_toml
+from gptrain.config.sections import DistConfig, TrainConfig
+from gptrain.distributed import runtime
 from gptrain.distributed.runtime import DistInfo
 from gptrain.errors import UserError
 from gptrain.model.gpt import GPT, GPTConfig
@@ -330,3 +332,20 @@ def test_the_trial_uses_the_chunks_of_the_loss_the_run_will_compile(monkeypatch,
     off = torch.autocast("cpu", enabled=False)
     assert batch.trial_fits(wrapped, model, off, 4, 16, 100, torch.device("cpu"), compiled)
     assert seen == [want] and model.loss_chunk_rows == 1
+
+
+def test_static_graph_is_refused_where_trial_steps_would_run_in_no_sync():
+    """DDP's static_graph breaks under no_sync() (pytorch/pytorch#143580): the trial steps of
+    micro_batch_size = auto run there on a GPU, so that combination is refused before them."""
+    static = DistConfig(static_graph=True)
+    gpus = DistInfo(world_size=2, device="cuda:0")
+    auto, fixed = TrainConfig(micro_batch_size="auto"), TrainConfig(micro_batch_size=8)
+    with pytest.raises(UserError, match="micro_batch_size = auto on a GPU"):
+        runtime.check_options(static, 1, gpus, trial=batch.runs_trials(auto, gpus))
+    runtime.check_options(static, 1, gpus, trial=batch.runs_trials(fixed, gpus))
+    runtime.check_options(
+        static, 1, DistInfo(world_size=2), trial=batch.runs_trials(auto, DistInfo(world_size=2))
+    )
+    runtime.check_options(DistConfig(), 1, gpus, trial=batch.runs_trials(auto, gpus))
+    with pytest.raises(UserError, match="gradient accumulation"):
+        runtime.check_options(static, 2, gpus)

@@ -368,7 +368,8 @@ class DistConfig:
         True, "DDP: gradients are views into the communication buckets (saves memory)"
     )
     static_graph: bool = opt(
-        False, "DDP: the graph is the same every step (enables extra optimisations)"
+        False,
+        "DDP: the graph is the same every step; needs accumulation 1 and, on GPUs, a fixed micro-batch",
     )
 
     def check(self) -> None:

@@ -317,11 +317,20 @@ def check_same_config(config_text: str, info: DistInfo) -> None:
         )
 
 
-def check_options(cfg_dist: DistConfig, accum: int, info: DistInfo) -> None:
-    """Refuse [dist] settings that torch cannot run correctly (on every rank, before training)."""
-    if cfg_dist.mode == "ddp" and cfg_dist.static_graph and accum > 1 and info.world_size > 1:
+def check_options(cfg_dist: DistConfig, accum: int, info: DistInfo, trial: bool = False) -> None:
+    """Refuse [dist] settings that torch cannot run correctly (on every rank, before training).
+    `trial`: micro-batch trial steps will run (train.micro_batch_size = auto on a GPU); DDP runs
+    them in no_sync()."""
+    if not (cfg_dist.mode == "ddp" and cfg_dist.static_graph and info.world_size > 1):
+        return
+    bug = "hits a PyTorch DDP bug (static_graph + no_sync(): pytorch/pytorch#143580, crashes or stops syncing gradients)"
+    if trial:
         raise UserError(
-            f"dist.static_graph = true with gradient accumulation ({accum} micro-steps) hits a PyTorch DDP bug "
-            "(static_graph + no_sync(): pytorch/pytorch#143580, crashes or stops syncing gradients); "
+            f"dist.static_graph = true with train.micro_batch_size = auto on a GPU {bug}: its trial steps run in no_sync(); "
+            "give train.micro_batch_size a number, or use dist.static_graph=false"
+        )
+    if accum > 1:
+        raise UserError(
+            f"dist.static_graph = true with gradient accumulation ({accum} micro-steps) {bug}; "
             "use dist.static_graph=false, or a total_batch_size with accumulation 1"
         )

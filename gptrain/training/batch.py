@@ -232,6 +232,11 @@ def _memory(device) -> tuple[int, int]:
     return torch.cuda.memory_allocated(device), int(MEMORY_MARGIN * usable)
 
 
+def runs_trials(t: TrainConfig, info: dist.DistInfo) -> bool:
+    """Whether `resolve` measures the micro-batch with trial steps: auto on a GPU."""
+    return t.micro_batch_size == "auto" and info.device_type == "cuda"
+
+
 def resolve(
     t: TrainConfig,
     info: dist.DistInfo,
@@ -246,7 +251,7 @@ def resolve(
     `fsdp_fit` under FSDP2, else `fit`."""
     options = options or candidates(t, info.world_size)  # `options`: start's, passed on
     mb = options[0]
-    if t.micro_batch_size == "auto" and info.device_type == "cuda" and wrapped is not None:
+    if runs_trials(t, info) and wrapped is not None:
         device = torch.device(info.device)
         all_min = (lambda v: _all_min(v, device)) if dist.active() else None
         if parallelize.syncs_per_block(wrapped):

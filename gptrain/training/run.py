@@ -222,6 +222,7 @@ def _build(
     )
     model, wrapped, optimizer, ptdtype, autocast, scaler = built
     # micro_batch_size = auto on a GPU: the largest candidate that fits (trial steps)
+    dist.check_options(cfg.dist, 1, info, trial=batch.runs_trials(t, info))
     mb, accum = batch.resolve(t, info, wrapped, model, autocast, dataset.vocab_size, options)
     dist.check_options(cfg.dist, accum, info)
     loader = TrainLoader(  # its cursor counts windows, so any micro-batch resumes exactly
