@@ -40,6 +40,11 @@ def invert(m: dict) -> dict:
     return out | {"fit_value": None if not fit else 1 / fit}
 
 
+def _n(v: float) -> str:
+    """Three significant digits, trailing zeros kept: 2.00, 2.10, 0.595."""
+    return f"{v:#.3g}".rstrip(".")
+
+
 def _multiplier(m: dict | None) -> str:
     """ "2.31x [1.95, 2.70]", "> 4x (p 0.002)" or "< 1x (p 0.03)", and the fit's value."""
     if not m or "value" not in m:
@@ -48,12 +53,12 @@ def _multiplier(m: dict | None) -> str:
         p = "" if m["p"] is None else f" (p {m['p']:.2g})"
         text = f"{m['bound']} {m['value']:.3g}x{p}"
     else:
-        text = f"{m['value']:.3g}x"
+        text = f"{_n(m['value'])}x"
         if m["ci"] is not None:
-            lo, hi = (("open" if v is None else f"{v:.3g}") for v in m["ci"])
+            lo, hi = (("open" if v is None else _n(v)) for v in m["ci"])
             text += f" [{lo}, {hi}]"
     if m.get("fit_value") is not None:
-        text += f"; fit {m['fit_value']:.3g}x" + (
+        text += f"; fit {_n(m['fit_value'])}x" + (
             " (extrapolated)" if m["fit_extrapolated"] else ""
         )
     return text

@@ -49,7 +49,7 @@ def test_a_cell_row_shows_both_races_multipliers_intervals_bounds_and_regime():
     assert against["value"] == pytest.approx(2**-1.5, rel=1e-12)
     r = study_report.row("code-small-1x", base, rec, train_tokens=1500)
     lo, hi = against["ci"]
-    assert r["recipe_x"].startswith(f"{2**1.5:.3g}x [{1 / hi:.3g}, {1 / lo:.3g}]")
+    assert r["recipe_x"].startswith(f"{2**1.5:#.3g}x [{1 / hi:#.3g}, {1 / lo:#.3g}]")
     assert 1 / hi < 2**1.5 < 1 / lo
     ablation = base["configs"][3]["compute_multiplier"]
     assert ablation["bound"] == ">" and r["ablation_x"].startswith("> 2x (p ")
@@ -74,5 +74,5 @@ def test_inverting_flips_a_bound_and_opens_the_right_end():
     inv = study_report.invert(m)
     assert inv["value"] == 4.0 and inv["bound"] == ">" and inv["p"] == 0.01
     assert inv["ci"] == [2.0, None] and inv["fit_value"] == 5.0
-    assert study_report._multiplier(inv) == "> 4x (p 0.01); fit 5x (extrapolated)"
+    assert study_report._multiplier(inv) == "> 4x (p 0.01); fit 5.00x (extrapolated)"
     assert math.isclose(study_report.invert(inv)["value"], 0.25)
