@@ -162,8 +162,51 @@ def test_the_heartbeat_is_refreshed_and_notices_a_takeover(tmp_path, monkeypatch
         }
         write_lock(tmp_path, host="node-elsewhere", pid=1, boot="x")  # another job took it
         time.sleep(0.3)
-    assert "another job took over its lock" in capsys.readouterr().err
+    assert "node-elsewhere, pid 1) took over its lock" in capsys.readouterr().err
     assert json.loads((tmp_path / ".lock").read_text())["host"] == "node-elsewhere"  # not removed
+
+
+def test_a_takeover_is_told_once_to_on_lost_and_then_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lock, "HEARTBEAT_S", 0.05)
+    told = []
+    with RunLock(tmp_path, "gptrain train") as held:
+        held.on_lost = told.append
+        held.check()  # still its own: nothing
+        write_lock(tmp_path, host="node-elsewhere", pid=1, boot="x", token="theirs")
+        deadline = time.time() + 10
+        while not told:
+            assert time.time() < deadline, "the heartbeat never noticed the takeover"
+            time.sleep(0.02)
+        time.sleep(0.2)  # later beats tell nobody again
+        with pytest.raises(lock.LockLost) as e:
+            held.check()
+    assert told == [str(e.value)] and "node-elsewhere" in told[0]
+    assert capsys.readouterr().err == ""  # on_lost ends the job with the line: no warning too
+    assert json.loads((tmp_path / ".lock").read_text())["token"] == "theirs"
+
+
+def test_a_checkpoint_is_not_published_into_a_folder_another_job_took_over(tmp_path):
+    from gptrain.checkpoint import folder
+
+    root = tmp_path / "run" / "checkpoints"
+    published = []
+    for step in (2, 4):
+        tmp = root / f".tmp-{folder.step_dir_name(step)}"
+        tmp.mkdir(parents=True)
+        (tmp / "meta.json").write_text("{}")
+        published.append(tmp)
+    other = tmp_path / "elsewhere"
+    (other / ".tmp-step_00000002").mkdir(parents=True)
+    with RunLock(tmp_path / "run", "gptrain train"):
+        folder.publish(root, "step_00000002", published[0], 2)
+        write_lock(tmp_path / "run", host="node-elsewhere", pid=1, boot="x", token="theirs")
+        with pytest.raises(lock.LockLost, match="took over its lock"):
+            folder.publish(root, "step_00000004", published[1], 4)
+        # a folder whose lock this process does not hold is not its business
+        folder.publish(other, "step_00000002", other / ".tmp-step_00000002", 2)
+    assert (root / "latest").read_text() == "step_00000002\n"
+    assert not (root / "step_00000004").exists() and published[1].is_dir()
+    assert (other / "latest").read_text() == "step_00000002\n"
 
 
 HOLD = """

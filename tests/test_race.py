@@ -540,6 +540,33 @@ def test_a_second_race_into_the_same_folder_is_refused_while_the_first_runs(
         assert len(steps) == len(set(steps)) and run["status"] == "done"
 
 
+def test_a_race_whose_folder_another_race_took_over_writes_no_result(
+    configs, byte_data, tmp_path, monkeypatch, capsys
+):
+    """Another host's race takes OUT's lock over while the last run trains (as after this
+    race's heartbeat was late): this race ends with one line, exit 2, and writes no race.json
+    or race.png; the other race's lock stays."""
+    out, started = tmp_path / "race", []
+    in_process = race_cmd._train_in_process
+
+    def train_then_lose_the_folder(argv_run):
+        started.append(argv_run)
+        if len(started) == 4:
+            theirs = {"host": "node-elsewhere", "pid": 1, "what": "gptrain race", "token": "x"}
+            theirs |= {"started": time.time(), "heartbeat": time.time(), "boot": "", "job": ""}
+            (out / ".lock").write_text(json.dumps(theirs))
+        return in_process(argv_run)
+
+    monkeypatch.setattr(race_cmd, "_train_in_process", train_then_lose_the_folder)
+    assert cli(race_args(configs, out, byte_data)) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("gptrain: error:")]
+    assert len(lines) == 1 and "gptrain race (host node-elsewhere, pid 1) took over" in lines[0]
+    assert "Traceback" not in err and len(started) == 4
+    assert not (out / "race.json").exists() and not (out / "race.png").exists()
+    assert json.loads((out / ".lock").read_text())["host"] == "node-elsewhere"
+
+
 def test_with_several_gpus_the_runs_go_one_per_gpu_as_subprocesses(
     configs, byte_data, tmp_path, monkeypatch
 ):

@@ -112,7 +112,7 @@ def _publish(step, root, tmp, future, state, rng, meta, tied, info, group, threa
         tdist.all_gather_object(gathered, (records, rng, error), group=group)
     # the outcome, decided by rank 0: None, or (failing rank, "io" or "user", its line)
     outcome = next(((r, "io", g[2]) for r, g in enumerate(gathered) if g[2]), None)
-    path = None
+    path = lost = None
     if info.is_main and outcome is None:  # every rank's shards must be in rank 0's folder
         missing = [n for g in gathered for n in g[0] if not (tmp / n).is_file()]
         if missing:
@@ -121,6 +121,8 @@ def _publish(step, root, tmp, future, state, rng, meta, tied, info, group, threa
     if info.is_main and outcome is None:
         try:
             path = _finish(step, root, tmp, state, gathered, meta, tied)
+        except UserError as e:  # the run folder's lock taken over by another job
+            outcome, lost = (0, "user", str(e)), e
         except Exception as e:  # noqa: BLE001 a full disk, a refused rename: the peers must hear it
             name = tmp.name.removeprefix(".tmp-")
             outcome = (0, "io", folder.save_failed(info.rank, "publish", name, root, e))
@@ -132,6 +134,8 @@ def _publish(step, root, tmp, future, state, rng, meta, tied, info, group, threa
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     rank, kind, message = box[0]
+    if lost is not None:
+        raise lost
     raise UserError(message) if (rank, kind) == (info.rank, "user") else gdist.peer_error(*box[0])
 
 

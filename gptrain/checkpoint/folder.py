@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from gptrain.checkpoint import lock
 from gptrain.distributed import faults
 from gptrain.distributed.runtime import cpu_cores
 from gptrain.errors import UserError, first_line
@@ -82,7 +83,9 @@ def publish(root: Path, name: str, tmp: Path, step: int | None = None) -> Path:
     the mirror's downloads). A failure before `latest` names it (a full disk while writing the
     pointer, a refused rename) undoes the renames and raises: the previous checkpoint is where it
     was and `latest` still names it; the new folder is back at `tmp` (the caller removes it).
-    `step`: the checkpoint being saved, where GPTRAIN_FAULT=publish_error@STEP fires."""
+    `step`: the checkpoint being saved, where GPTRAIN_FAULT=publish_error@STEP fires. A folder
+    whose lock another job took over from this process is left as it is (lock.LockLost)."""
+    lock.check_folder(root)
     faults.kill_save(step)  # GPTRAIN_FAULT=kill_save@STEP: SIGKILL, tmp written, not renamed
     final = root / name
     old = root / f".old-{name}"

@@ -12,7 +12,11 @@ it and stops with one line (a UserError, exit 2) unless the lock is stale:
   agents stop every worker before a round re-forms, and rank 0 may now be on another node.
 
 A stale lock is taken over with one warning line on stderr (host, pid, heartbeat age), so a job
-killed by SIGKILL, or requeued on another node after its node died, continues. Every change of the
+killed by SIGKILL, or requeued on another node after its node died, continues. The job whose lock
+was taken over (alive after all: its heartbeat was only late) writes no more there: its heartbeat
+notices and calls `on_lost` (the training loop stops at its next step boundary), and a checkpoint
+it would publish is refused (`check_folder`, called by checkpoint/folder.py): `LockLost`, one
+line, exit 2. Every change of the
 lock (create, take over, heartbeat, release) happens while holding flock on the folder itself, so
 two jobs starting at once on one host (or on a filesystem whose flock spans hosts) never both win;
 where flock is not available the atomic creation still admits only one of two new owners.
@@ -38,6 +42,22 @@ HEARTBEAT_S = 10.0  # how often the holder refreshes its heartbeat
 STALE_S = 60.0  # a lock of another host not refreshed for this long is stale (its node died)
 GUARD_WAIT_S = 10.0  # the longest wait for flock on the folder (held for milliseconds)
 JOB_ENV = "GPTRAIN_JOB"  # RDZV_ID@ENDPOINT, exported by distributed/launch.py to its workers
+
+
+class LockLost(UserError):
+    """Another job took over the lock of a folder this process held: this one writes no more."""
+
+
+_held: list[RunLock] = []  # the locks this process holds now (check_folder)
+
+
+def check_folder(path: str | Path) -> None:
+    """LockLost when `path` is in a folder whose lock this process held and another job took
+    over; nothing for a folder this process holds no lock on."""
+    path = Path(path).absolute()
+    for held in list(_held):
+        if path == held.folder.absolute() or held.folder.absolute() in path.parents:
+            held.check()
 
 
 def _boot_id() -> str:
@@ -145,6 +165,9 @@ class RunLock:
         self.path = self.folder / LOCK
         self.what = what
         self.token = ""
+        self.lost: str | None = None  # the line saying another job took the lock over
+        self.on_lost = None  # called once with that line, from the heartbeat's thread
+        self._losing = threading.Lock()  # the heartbeat and a publish may both notice
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -180,6 +203,8 @@ class RunLock:
             raise UserError(
                 f"run folder {self.folder}: cannot take its lock {self.path.name} ({type(e).__name__}: {first_line(e)}); check that the folder can be written, or choose another folder"
             ) from None
+        self.lost = None
+        _held.append(self)
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="run-lock", daemon=True)
         self._thread.start()
@@ -244,16 +269,53 @@ class RunLock:
             return False
         return holder is not None and holder["token"] == self.token
 
+    def check(self) -> None:
+        """LockLost when another job holds this lock now (read under the folder's flock)."""
+        if self.lost is None:
+            with _guard(self.folder):
+                if not self._mine():
+                    self._lose()
+        if self.lost is not None:
+            raise LockLost(self.lost)
+
+    def drill_take_over(self) -> None:
+        """GPTRAIN_FAULT=lock_taken: another host's job takes the lock over, and this holder
+        notices at once, as its next heartbeat would."""
+        content = json.loads(self._content(self.started))
+        content |= {"host": f"{socket.gethostname()}-drill", "what": "a drill's job"}
+        content |= {"pid": 1, "token": secrets.token_hex(8), "job": ""}
+        with _guard(self.folder):
+            os.replace(self._write_tmp(json.dumps(content).encode()), self.path)
+        self._lose()
+
+    def _lose(self) -> None:
+        """Record (once) that another job took the lock over; tell `on_lost`, else warn."""
+        with self._losing:
+            if self.lost is not None:
+                return
+            try:
+                holder = read(self.path)
+            except OSError:
+                holder = None
+            who = "another job"
+            if holder is not None:
+                who = f"{holder['what']} (host {holder['host']}, pid {holder['pid']})"
+            self.lost = (
+                f"run folder {self.folder}: {who} took over its lock while this job's heartbeat "
+                "was late; this job stops and writes nothing more there (its checkpoints stay for "
+                "that job); to go on with this one instead, stop that job and run the same command"
+            )
+        if self.on_lost is not None:  # it ends the job with the line
+            self.on_lost(self.lost)
+        else:
+            print(f"gptrain: warning: {self.lost}", file=sys.stderr, flush=True)
+
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 with _guard(self.folder):
                     if not self._mine():
-                        print(
-                            f"gptrain: warning: run folder {self.folder}: another job took over its lock (this one's heartbeat was late); two jobs may now write it",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+                        self._lose()
                         return
                     os.replace(self._write_tmp(self._content(self.started)), self.path)
             except OSError as e:  # a filesystem hiccup: the next beat tries again
@@ -263,6 +325,8 @@ class RunLock:
         """Stop the heartbeat and remove the lock if it is still this process's; the folder too
         when the lock created it and nothing else was written there."""
         self._stop.set()
+        if self in _held:
+            _held.remove(self)
         if self._thread is not None:  # bounded: a beat stuck on the filesystem is left behind
             self._thread.join(timeout=GUARD_WAIT_S + 5)
             self._thread = None

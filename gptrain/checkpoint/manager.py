@@ -36,6 +36,7 @@ problem = retention.problem
 Plan = retention.Plan
 IOFailure = gdist.IOFailure  # a checkpoint write or publish that failed: one line on every rank
 configure_mirror = mirror.configure  # checkpoint.mirror (main process, before training)
+LockLost = lock.LockLost  # another job took over the run folder's lock: this one writes no more
 RunLock = lock.RunLock  # a run folder has one owner: `with RunLock(run_dir, "gptrain train"):`
 
 

@@ -351,19 +351,19 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv, __doc__)
     p = plan(args)
     check_plan(args.out, p)  # before the lock: a refusal writes nothing
-    with RunLock(args.out, "gptrain race"):  # one race writes OUT at a time
+    with RunLock(args.out, "gptrain race") as held:  # one race writes OUT at a time
         check_plan(args.out, p)  # again, now that no other race can write its plan
         fresh = not (args.out / PLAN).exists()
         write_configs(args.out, p)
         try:
-            return _race(args, p, argv)
+            return _race(args, p, argv, held)
         except UserError:  # bad input found by the first run: the corrected command may follow
             if fresh and not any(trained(job.run_dir) for job in p.jobs):
                 remove_configs(args.out, p)
             raise
 
 
-def _race(args: Args, p: Plan, argv: list[str]) -> int:
+def _race(args: Args, p: Plan, argv: list[str], held: RunLock) -> int:
     labels, cfgs, jobs = p.labels, p.cfgs, p.jobs
     try:
         codes = run_all(jobs, slots(cfgs, args.jobs), args.out / "logs")
@@ -376,6 +376,7 @@ def _race(args: Args, p: Plan, argv: list[str]) -> int:
         raise UserError(
             f"no run of the baseline {labels[0]} finished (see {args.out}/{labels[0]}/*/train.log); fix the cause and run the same command to continue"
         )
+    held.check()  # another race took OUT over (this one's heartbeat was late): LockLost
     race = {"command": ["gptrain", "race", *argv], "seeds": args.seeds}
     race |= analyse(runs, labels, args.target, p.rungs, regime(args.out, cfgs[0]))
     atomic_write_bytes(args.out / "race.json", json.dumps(race, indent=1).encode())

@@ -57,6 +57,9 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
         # every rank with one line (UserError, exit 2), a dead one's is taken over with a line
         lock = checkpoint.RunLock(cfg.run.dir, "gptrain train") if info.is_main else None
         dist.on_main(info, lambda: lock.acquire())
+        if lock is not None:  # taken over by another job later: stop at the next step boundary
+            lock.on_lost = preemption.lose
+            faults.register_lock(lock.drill_take_over)  # GPTRAIN_FAULT=lock_taken
         # the hang watchdog (phase: start), then the restart ledger: a start in a crash loop
         # ends here (CrashLoop, exit 4); the ledger records how this attempt ends
         with (
@@ -240,6 +243,9 @@ def _publish_pending(run, e: BaseException, watchdog: Watchdog) -> None:
     before), as it is when publishing fails; a line says so. `e` ends the run either way."""
     pending, info = run.checkpointer.pending, run.info
     if pending is None:
+        return
+    if isinstance(e, checkpoint.LockLost):  # run.dir is another job's now: nothing is written
+        run.checkpointer.pending = None
         return
     why = e if isinstance(e, failures.DistFailure) else None
     if why is None and dist.active() and info.world_size > 1:

@@ -11,6 +11,9 @@
                                       every file is in its temporary folder, not yet published
     GPTRAIN_FAULT=perturb@5/1         after step 5's update, rank 1 moves one weight by one ulp (a
                                       replica that drifted: the next checkpoint's replica check)
+    GPTRAIN_FAULT=lock_taken@7        at the start of step 7, another host's job takes over the run
+                                      folder's lock and the main process's heartbeat notices (as a
+                                      requeued job would, after this one's heartbeat was late)
     GPTRAIN_FAULT=step_time@0.25      every step counts as 0.25 s of training time (train.time_budget's
                                       clock made deterministic; step_time@1.5/1: rank 1's only)
 
@@ -51,6 +54,7 @@ KINDS = (
     "eval_error",
     "kill_eval",
     "perturb",
+    "lock_taken",
     "step_time",
 )
 SPIKE_FACTOR = 20.0
@@ -97,6 +101,14 @@ def parse(spec: str) -> list[Fault]:
 
 _active: dict[tuple[str, int], bool] = {}  # (kind, step) -> fires on this rank
 _step_time: float | None = None  # step_time: the seconds every step of this rank counts as
+_take_lock = None  # lock_taken: how the run folder's lock is taken over (register_lock)
+
+
+def register_lock(take_over) -> None:
+    """lock_taken: `take_over()` has another job take over the run folder's lock, as the main
+    process's heartbeat would then see it (checkpoint/lock.py's `drill_take_over`)."""
+    global _take_lock
+    _take_lock = take_over
 
 
 def install(rank: int, env=os.environ) -> None:
@@ -134,7 +146,8 @@ def _kill(what: str) -> None:
 
 
 def in_step(step: int, model):
-    """The context the loop trains optimizer step `step` in: hang and crash act on entry, spike
+    """The context the loop trains optimizer step `step` in: hang, crash and lock_taken act on
+    entry, spike
     multiplies the model's loss (hence every gradient) by SPIKE_FACTOR through a forward hook on
     the plain model (under DDP and FSDP2 too) for this step only, perturb moves the first element
     of the model's first parameter by one ulp on exit (after the step's update)."""
@@ -147,6 +160,11 @@ def in_step(step: int, model):
         _announce(f"hang at step {step}: sleeping forever")
         while True:
             time.sleep(3600)
+    if fires("lock_taken", step):
+        del _active[("lock_taken", step)]
+        if _take_lock is not None:  # the process that holds the lock (the main one)
+            _announce(f"another job takes over the run folder's lock at step {step}")
+            _take_lock()
     if fires("spike", step):
         del _active[("spike", step)]  # once per process: a rollback past it does not meet it again
         return _spiked(model)

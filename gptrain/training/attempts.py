@@ -183,6 +183,8 @@ class Ledger:
             self._end(self.outcome, 0)
         elif isinstance(e, CrashLoop):
             pass  # recorded by _begin
+        elif isinstance(e, checkpoint.LockLost):
+            pass  # run.dir is another job's now: its ledger is not this attempt's to write
         elif isinstance(e, UserError) and not self.training:
             self.undo()  # bad input before training: nothing written
         elif isinstance(e, UserError):

@@ -28,6 +28,7 @@ from collections import deque
 
 import torch
 
+from gptrain.checkpoint import manager as checkpoint
 from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 
@@ -39,6 +40,7 @@ class Preemption:
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self.lost: str | None = None  # the run folder's lock taken over by another job: its line
         self._previous: dict = {}
         self.on_signal = None  # called with the first signal's name (the restart ledger's mark)
 
@@ -71,6 +73,20 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, signal.SIG_IGN if self.received else handler)
         self._previous = {}
+
+    def lose(self, line: str) -> None:
+        """The run folder's lock was taken over (from the lock's heartbeat thread): the loop
+        stops at its next step boundary, saving nothing (`stop_if_lost`)."""
+        self.lost = line
+
+    def stop_if_lost(self, lost_anywhere: bool) -> None:
+        """After the step boundary's agreement: LockLost on every rank when any rank's lock was
+        taken over (the main process's own line; a peer names the main process)."""
+        if lost_anywhere:
+            raise checkpoint.LockLost(
+                self.lost
+                or "rank 0: another job took over the run folder's lock; this job stops and writes nothing more there"
+            )
 
     def agreed(self) -> bool:
         """Collective (every rank, every step): True when any rank received a signal."""
