@@ -98,6 +98,20 @@ def test_killed_in_the_final_evaluation_the_rerun_completes_the_run(
     assert "already trained to step 6" in (run_dir / "train.log").read_text()
 
 
+def test_a_rerun_with_max_steps_below_the_checkpoint_completes_it_and_says_so(
+    byte_data, tmp_path, uninterrupted
+):
+    """Killed in the final evaluation at step 6, rerun with train.max_steps = 4: the run ends
+    at step 6 as the uninterrupted one did (a checkpoint cannot go back), with a line saying so."""
+    run_dir = tmp_path / "r"
+    killed(byte_data, run_dir, "kill_eval@6")
+    lower = [o if o != "train.max_steps=6" else "train.max_steps=4" for o in COMMON]
+    assert run(byte_data, run_dir, *lower)["steps"] == 6
+    assert summary(run_dir) == summary(uninterrupted)
+    log = (run_dir / "train.log").read_text()
+    assert "past train.max_steps = 4, so the run ends at step 6" in log
+
+
 def test_killed_before_summary_json_the_rerun_writes_it_without_evaluating_again(
     byte_data, tmp_path, uninterrupted
 ):
