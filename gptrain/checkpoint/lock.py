@@ -16,10 +16,12 @@ killed by SIGKILL, or requeued on another node after its node died, continues. T
 was taken over (alive after all: its heartbeat was only late) writes no more there: its heartbeat
 notices and calls `on_lost` (the training loop stops at its next step boundary), and a checkpoint
 it would publish is refused (`check_folder`, called by checkpoint/folder.py): `LockLost`, one
-line, exit 2. Every change of the
-lock (create, take over, heartbeat, release) happens while holding flock on the folder itself, so
-two jobs starting at once on one host (or on a filesystem whose flock spans hosts) never both win;
-where flock is not available the atomic creation still admits only one of two new owners.
+line, exit 2.
+
+Every change of the lock (create, take over, heartbeat, release) happens while holding flock on
+the folder itself, so two jobs starting at once on one host (or on a filesystem whose flock spans
+hosts) never both win; where flock is not available the atomic creation still admits only one of
+two new owners.
 """
 
 from __future__ import annotations

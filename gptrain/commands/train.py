@@ -71,6 +71,7 @@ def train(cfg: Config, info: dist.DistInfo) -> dict:
             return _train(cfg, info, watchdog, ledger, preemption)
     finally:
         if lock is not None:  # after a refusal too: it removes only a lock that is its own
+            faults.register_lock(None)
             lock.release()
         preemption.restore()
 
