@@ -45,10 +45,10 @@ class Checkpointer:
     def due(self, step: int, last_step: bool, preemption: Preemption):
         """Collective: (save now, stop now, last step). One tiny all-reduce (TrainState.agree)
         agrees on a stop signal, a run-folder lock taken over (LockLost on every rank),
-        checkpoint.every_minutes by any rank's clock and the training
-        time (the maximum over the ranks); the time budget is then read from that agreed time,
-        the same on every rank (`out_of_time`, from this rank's own time, can only be true where
-        the agreed one is). The last step (train.max_steps or the budget spent) and a stop save."""
+        checkpoint.every_minutes by any rank's clock and the training time (the maximum over
+        the ranks); the time budget is then read from that agreed time, the same on every rank
+        (`out_of_time`, from this rank's own time, can only be true where the agreed one is).
+        The last step (train.max_steps or the budget spent) and a stop save."""
         every_s = self.c.every_minutes * 60
         timed = bool(every_s) and time.monotonic() - self._saved_at >= every_s
         stop, timed, lost = self.state.agree(
