@@ -9,6 +9,9 @@ mixed precision) in one process group and records per step the loss averaged ove
   checkpointing; "STEP n" markers on stderr let the test find recompiles after the first step;
 - ddp_bf16 / fsdp_bf16: bf16 under DDP + autocast and under FSDP2 + MixedPrecisionPolicy, with
   the dtype of the residual stream (block 0's output) and of the loss;
+- fsdp_last: float32 FSDP2 under dist.fsdp_reduce = last (the others: every, the default);
+- held: under each dist.fsdp_reduce, the share of all parameters whose gradient a rank holds in
+  .grad (its shards) when train_step's second micro-step starts;
 - async_save: a checkpoint.async save whose writer is held back while training moves on.
 """
 
@@ -62,6 +65,32 @@ def variant(data_dir: str, steps: int, *overrides: str, marker: str = "") -> dic
         if marker:
             print(f"{marker} STEP {step + 1} done", file=sys.stderr, flush=True)
     return {"losses": losses, **seen}
+
+
+def held_between_micro_steps(data_dir: str, reduce: str) -> float:
+    """train_step over 2 micro-steps under dist.fsdp_reduce = `reduce`: the elements of .grad
+    this rank holds when the second micro-step fetches its batch, as a share of all parameters."""
+    from gptrain.config.load import load_config
+    from gptrain.data.loader import Dataset, TrainLoader
+    from gptrain.distributed import runtime as dist
+    from gptrain.training.build import build_training
+    from gptrain.training.step import train_step
+
+    cfg = load_config(DEBUG, [f"data.dir={data_dir}", "dist.mode=fsdp", f"dist.fsdp_reduce={reduce}", "train.micro_batch_size=4"])  # fmt: skip
+    info, t = dist.DistInfo.from_env("cpu"), cfg.train
+    dataset = Dataset(cfg.data.dir)
+    loader = TrainLoader(dataset, t.seq_len, t.micro_batch_size, info.rank, info.world_size, t.seed)
+    model, wrapped, optimizer, _, autocast, scaler = build_training(cfg, info, dataset.vocab_size, t.dtype, False)  # fmt: skip
+    full = sum(p.numel() for p in model.parameters())
+    held = []  # at each micro-step's start: the share of .grad elements this rank holds
+
+    def next_batch():
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        held.append(sum(g.to_local().numel() for g in grads) / full)
+        return loader.next_batch()
+
+    train_step(wrapped, model, optimizer, scaler, next_batch, 2, autocast, 1.0)
+    return held[1]
 
 
 def init_matches_single_process(data_dir: str) -> dict:
@@ -172,6 +201,8 @@ def main(out_file: str, data_dir: str) -> None:
         "train.activation_checkpointing=blocks",
         marker="GPTRAIN-TEST",
     )
+    result["fsdp_last"] = variant(data_dir, STEPS, "dist.mode=fsdp", "dist.fsdp_reduce=last")
+    result["held"] = {r: held_between_micro_steps(data_dir, r) for r in ("every", "last")}
     result["ddp_bf16"] = variant(data_dir, STEPS, "dist.mode=ddp", "train.dtype=bfloat16")
     result["fsdp_bf16"] = variant(data_dir, STEPS, "dist.mode=fsdp", "train.dtype=bfloat16")
     result["async_save"] = async_save_keeps_the_save_step(data_dir, str(Path(out_file).parent / "async"))  # fmt: skip

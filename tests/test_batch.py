@@ -12,7 +12,7 @@ import torch
 from gptrain.__main__ import main as cli
 from gptrain.config.load import load_config, to_toml
 from gptrain.config.sections import DistConfig, TrainConfig
-from gptrain.distributed import runtime
+from gptrain.distributed import parallelize, runtime
 from gptrain.distributed.runtime import DistInfo
 from gptrain.errors import UserError
 from gptrain.model.gpt import GPT, GPTConfig
@@ -285,13 +285,17 @@ def test_resolve_uses_the_trial_only_for_auto_on_cuda(monkeypatch):
     assert batch.resolve(fixed, cuda, object()) == (32, 2)  # an explicit number is never probed
 
 
-@pytest.mark.parametrize("capacity_n, want", [(35, 8), (28, 2), (24, None)])
-def test_resolve_under_fsdp_predicts_from_two_trials_with_the_grad_reserve(monkeypatch, capacity_n, want):  # fmt: skip
+@pytest.mark.parametrize(
+    "reduce, capacity_n, want",
+    [("last", 35, 8), ("last", 28, 2), ("last", 24, None), ("every", 28, 4), ("every", 24, 2)],
+)
+def test_resolve_under_fsdp_predicts_from_two_trials_with_the_grad_reserve(monkeypatch, reduce, capacity_n, want):  # fmt: skip
     """An FSDP2-like wrapper on "CUDA": the prediction path, never the lockstep trials. 8 sequences
     per rank, N parameters, 10N bytes allocated, trial peaks 10N + N + 2N x mb. Predicted peak +
-    reserve (8N, + 4N with accumulation > 1): 8 -> 27N + 8N = 35N, 4 -> 19N + 12N = 31N,
-    2 -> 15N + 12N = 27N, 1 -> 13N + 12N = 25N. With 28N bytes 2 fits (without the grad reserve
-    4 would: 27N); with 24N nothing does."""
+    reserve (8N, + 4N with accumulation > 1 under dist.fsdp_reduce = last): 8 -> 27N + 8N = 35N,
+    4 -> 19N + 12N = 31N, 2 -> 15N + 12N = 27N, 1 -> 13N + 12N = 25N. With 28N bytes 2 fits;
+    with 24N nothing does. Under `every` no rank holds a whole gradient: 4 -> 27N, 2 -> 23N."""
+    monkeypatch.setattr(parallelize, "syncs_every_micro_step", lambda w: reduce == "every")
     t = train_cfg("train.micro_batch_size=auto", "train.total_batch_size=512", "train.seq_len=64")
     model = GPT(GPTConfig(vocab_size=100, block_size=64, n_layer=1, n_head=2, n_embd=32))
     n = sum(p.numel() for p in model.parameters())

@@ -2,7 +2,9 @@
 
 Single process: activation checkpointing changes neither the loss nor the gradients, nor the
 state-dict keys; the meta-device build keeps the tied head tied. Two gloo ranks
-(tests/fsdp_worker.py): the sharded init equals the single-process init bit for bit; FSDP2 with
+(tests/fsdp_worker.py): the sharded init equals the single-process init bit for bit; under
+dist.fsdp_reduce = every a rank holds only gradient shards between micro-steps, and trains like
+`last`; FSDP2 with
 per-block compile + checkpointing trains like eager FSDP2 with no recompile after the first step;
 bf16 FSDP2 keeps DDP + autocast's float32 residual stream and agrees with DDP within bf16 noise.
 """
@@ -105,6 +107,19 @@ def test_fsdp_compile_and_checkpointing_match_eager_without_recompiles(fsdp_runs
         start = stderr.index("GPTRAIN-TEST STEP 1 done")  # compiled run: first step finished
         end = stderr.index("GPTRAIN-TEST STEP 3 done")
         assert "Recompiling" not in stderr[start:end], f"rank {rank}:\n{stderr[start:end][-3000:]}"
+
+
+@pytest.mark.slow
+def test_fsdp_reduce_every_holds_only_shards_and_trains_like_last(fsdp_runs):
+    """dist.fsdp_reduce: between micro-steps each rank holds its gradient shards (every) or
+    nothing in .grad (last: FSDP2 keeps the unsharded gradient itself); the same training."""
+    for rank_result in fsdp_runs[0]:
+        every, last = rank_result["held"]["every"], rank_result["held"]["last"]
+        assert 0.4 < every <= 0.51 and last == 0, rank_result["held"]
+    r = fsdp_runs[0][0]
+    torch.testing.assert_close(
+        torch.tensor(r["fsdp_last"]["losses"]), torch.tensor(r["fsdp"]["losses"]), rtol=1e-5, atol=0
+    )
 
 
 @pytest.mark.slow

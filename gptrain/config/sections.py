@@ -358,6 +358,11 @@ class DistConfig:
         "process-group backend: auto (nccl with CUDA, else gloo), nccl or gloo",
         ("auto", "nccl", "gloo"),
     )
+    fsdp_reduce: str = opt(
+        "every",
+        "FSDP2 with accumulation: reduce-scatter every micro-step (each rank keeps its gradient shard) or on the last only (fewer transfers; each rank keeps the whole float32 gradient)",
+        ("every", "last"),
+    )
     timeout_s: int = opt(300, "seconds before a stuck collective ends the run with an error")
     hang_timeout_s: int | str = opt(
         "auto",

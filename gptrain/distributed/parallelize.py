@@ -10,6 +10,7 @@ themselves.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,9 @@ from torch import nn
 from gptrain.config.sections import DistConfig
 from gptrain.distributed.runtime import DistInfo
 from gptrain.errors import UserError
+
+# FSDP2 roots that reduce-scatter on every micro-step (dist.fsdp_reduce = every), see grad_sync
+_REDUCE_EVERY: weakref.WeakSet = weakref.WeakSet()
 
 
 def shards(cfg: DistConfig, info: DistInfo) -> bool:
@@ -98,6 +102,8 @@ def wrap_model(
                 fully_shard(norms, mp_policy=fp32)
             fully_shard(block, mp_policy=block_mp)
         fully_shard(model, mp_policy=fp32)
+        if cfg.fsdp_reduce == "every":
+            _REDUCE_EVERY.add(model)
         return model
     if compile:
         model.compile()
@@ -176,8 +182,19 @@ def checkpoint_forward(module: nn.Module) -> None:
     module.forward = forward
 
 
+def syncs_every_micro_step(wrapped: nn.Module) -> bool:
+    """Are gradients reduced on every micro-step, not only the last? FSDP2 under
+    dist.fsdp_reduce = every: each micro-step's gradient is reduce-scattered and summed into the
+    local shard, so no rank ever holds a whole gradient (torchtitan's way; accumulation-times the
+    reduce-scatters). Under `last` FSDP2 keeps an unsharded float32 gradient of every parameter
+    between micro-steps. DDP always reduces on the last micro-step only: its gradients are whole
+    on every rank anyway."""
+    return wrapped in _REDUCE_EVERY
+
+
 def grad_sync(wrapped: nn.Module, sync: bool):
-    """Context for one micro-step: gradient communication only when `sync` (the last micro-step).
+    """Context for one micro-step: gradient communication only when `sync` (the caller passes
+    the last micro-step, or every one where `syncs_every_micro_step`).
 
     DDP: the public `no_sync()` context, entered around forward AND backward. FSDP2:
     `set_requires_gradient_sync(sync)`. Single process: nothing to skip.

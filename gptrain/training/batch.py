@@ -14,8 +14,9 @@ auto also has to fit, found by eager trial forward + backward passes on random t
   the smallest candidate, then the second smallest when a line through the first says it fits
   (else the smallest again, so that every rank runs the same collectives). The peaks measured
   give peak(mb) = a + b x mb (`predict_fit`); each rank takes the largest candidate whose
-  predicted peak plus its reserve (AdamW state, and with accumulation > 1 the unsharded float32
-  gradient FSDP2 keeps between micro-steps) fits in 90% of its memory, and one all-reduce MIN
+  predicted peak plus its reserve (AdamW state, and with accumulation > 1 under
+  dist.fsdp_reduce = last the unsharded float32 gradient FSDP2 keeps between micro-steps) fits
+  in 90% of its memory, and one all-reduce MIN
   after all trials makes the ranks agree. Out of memory in a trial ends the run with a UserError.
 """
 
@@ -258,9 +259,11 @@ def resolve(
             local = parallelize.local_numel(model)
             full = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole
 
-            def reserve_for(m: int) -> int:  # AdamW m and v; the unsharded grad when accumulating
+            whole = not parallelize.syncs_every_micro_step(wrapped)
+
+            def reserve_for(m: int) -> int:  # AdamW m and v; an unsharded grad when accumulating
                 accum = accumulation_steps(t.total_batch_size, m, t.seq_len, info.world_size)
-                return 8 * local + (4 * full if accum > 1 else 0)
+                return 8 * local + (4 * full if accum > 1 and whole else 0)
 
             mb = fsdp_fit(
                 options,

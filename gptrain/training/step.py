@@ -1,5 +1,5 @@
 """One optimizer step: gradient accumulation over micro-batches, communication on the last one
-only, clipping, and the update (through the non-finite guard when the loop gives one). Used by
+(FSDP2 by default: on each), clipping, and the update (through the non-finite guard when the loop gives one). Used by
 `gptrain train`, `gptrain bench` and the benchmarks."""
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ def train_step(
 
     Each micro-loss is divided by `accum`, so the summed gradients equal the gradient of the big
     batch's mean loss. Gradients are communicated on the last micro-step only (`no_sync()` /
-    `set_requires_gradient_sync` otherwise), overlapping that backward. `sync=False` skips all
+    `set_requires_gradient_sync` otherwise), overlapping that backward; under FSDP2 with
+    dist.fsdp_reduce = every, on each micro-step. `sync=False` skips all
     communication (the benchmark uses it to measure the communication share). With `guard`, a
     step (number `step`) whose gradient norm is NaN/inf leaves weights and optimizer untouched."""
     loss_sum = None
+    every = parallelize.syncs_every_micro_step(wrapped)
     for micro in range(accum):
         x, y = next_batch()
-        with parallelize.grad_sync(wrapped, sync=sync and micro == accum - 1):
+        with parallelize.grad_sync(wrapped, sync=sync and (every or micro == accum - 1)):
             with autocast:
                 _, loss = wrapped(x, y)
             loss = loss / accum  # this micro-batch's share of the big batch's mean
