@@ -412,8 +412,12 @@ def run(args) -> int:
 
 
 def report(args) -> int:
-    rows = []
-    for cell in cells(args.corpora):
+    rows, final = [], []
+    every = cells(args.corpora)
+    largest, longest = max(c.size.block_params for c in every), max(c.horizon for c in every)
+    for cell in every:
+        if cell.size.block_params == largest or cell.horizon == longest:
+            final.append(len(rows))  # the index its row gets below
         folder = args.out / "races" / cell.name
         print(f"\n## {cell.name} ({cell.size.block_params:,} parameters in the blocks, {cell.steps * batch_tokens():,} tokens)")  # fmt: skip
         races = {}
@@ -431,6 +435,8 @@ def report(args) -> int:
         train = manifest["splits"]["train"]["tokens"]
         rows.append(study_report.row(cell.name, races["baseline"], races["recipe"], train))
     print(f"\n## The cells\n\n{study_report.table(rows)}")
+    _, why = study_report.config_steps([rows[i] for i in final])
+    print(f"\nconfigs/gpt2_124m.toml (the largest size and the longest horizon): {why}")
     print(f"\nthe numbers behind each table: {args.out}/races/<cell>/<arm>-ladder/race.json", file=sys.stderr)  # fmt: skip
     return 0
 

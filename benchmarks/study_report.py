@@ -12,11 +12,18 @@ on the baseline's ladder. The recipe's is the inverse of the baseline's on the r
 the baseline's tokens over the tokens at which the recipe's complete runs reach the baseline's
 loss (an interval inverts end for end; a bound flips). A rung that trains on more tokens than the
 train split holds is marked: it reads tokens twice.
+
+`config_steps` turns the rows of the cells at the largest size and at the longest horizon into
+configs/gpt2_124m.toml's step count: llm.c's divided by the smallest lower 95% bound among them.
 """
 
 from __future__ import annotations
 
+import math
+
 ARMS = ("recipe", "ablation")
+LLMC_STEPS = 19_073  # llm.c's GPT-2 124M run: ~10B tokens in 2^19-token steps
+MIN_DIVISOR = 1.1  # a lower bound below this divides nothing
 
 
 def _config(race: dict, label: str) -> dict | None:
@@ -64,6 +71,31 @@ def _multiplier(m: dict | None) -> str:
     return text
 
 
+def lower_bound(m: dict | None) -> float | None:
+    """The lower end of a multiplier's 95% interval: a "> x" bound's x, 0 for "< x" (fewer
+    tokens are not shown), None where not measured or the end is open."""
+    if not m or "value" not in m:
+        return None
+    if m["bound"]:
+        return m["value"] if m["bound"] == ">" else 0.0
+    return m["ci"][0] if m["ci"] else None
+
+
+def config_steps(rows: list[dict], steps: int = LLMC_STEPS) -> tuple[int, str]:
+    """(max_steps, why) for configs/gpt2_124m.toml from the rows of the cells at the largest size
+    and at the longest horizon: `steps` over the smallest recipe lower bound among them, rounded
+    up; `steps` itself while one of them is not measured or that bound is below MIN_DIVISOR."""
+    lows = {f"{r['corpus']}-{r['size']}-{r['horizon']}": r["recipe_low"] for r in rows}
+    missing = [cell for cell, low in lows.items() if low is None]
+    if not rows or missing:
+        return steps, f"{steps:,} steps: not measured ({', '.join(missing) or 'no cells'})"
+    cell, low = min(lows.items(), key=lambda kv: kv[1])
+    if low < MIN_DIVISOR:
+        return steps, f"{steps:,} steps: the lower bound {low:.3g} ({cell}) is below {MIN_DIVISOR}"
+    divided = math.ceil(steps / low)
+    return divided, f"{divided:,} steps = {steps:,} / {low:.3g}, the lowest bound ({cell})"
+
+
 def _repeats(race: dict | None, train_tokens: int) -> list[str]:
     if not race or not race.get("ladder"):
         return []
@@ -87,6 +119,7 @@ def row(cell: str, baseline_race: dict | None, recipe_race: dict | None, train_t
     unigram = ((baseline_race or recipe_race) or {}).get("unigram") or {}
     below = unigram["nats"] - base["val_loss"]["mean"] if unigram and base else None
     repeats = _repeats(baseline_race, train_tokens) + _repeats(recipe_race, train_tokens)
+    recipe_m = invert(against) if against and "value" in against else None
     return {
         "corpus": corpus,
         "size": size,
@@ -97,7 +130,8 @@ def row(cell: str, baseline_race: dict | None, recipe_race: dict | None, train_t
         "baseline": _loss(base),
         "recipe": _loss(recipe),
         "ablation": _loss(ablation),
-        "recipe_x": _multiplier(invert(against) if against and "value" in against else None),
+        "recipe_x": _multiplier(recipe_m),
+        "recipe_low": lower_bound(recipe_m),
         "ablation_x": _multiplier((ablation or {}).get("compute_multiplier")),
         "repeats": ", ".join(repeats) or "none",
     }
@@ -107,7 +141,7 @@ def not_run(cell: str) -> dict:
     corpus, size, horizon = cell.split("-")
     row = {"corpus": corpus, "size": size, "horizon": horizon, "tokens": None, "unigram": None}
     keys = ("baseline", *ARMS, *(f"{arm}_x" for arm in ARMS), "repeats")
-    return row | {"below": None} | dict.fromkeys(keys, "not run")
+    return row | {"below": None, "recipe_low": None} | dict.fromkeys(keys, "not run")
 
 
 def table(rows: list[dict]) -> str:

@@ -76,3 +76,35 @@ def test_inverting_flips_a_bound_and_opens_the_right_end():
     assert inv["ci"] == [2.0, None] and inv["fit_value"] == 5.0
     assert study_report._multiplier(inv) == "> 4x (p 0.01); fit 5.00x (extrapolated)"
     assert math.isclose(study_report.invert(inv)["value"], 0.25)
+
+
+def _cell(name, low):
+    corpus, size, horizon = name.split("-")
+    return {"corpus": corpus, "size": size, "horizon": horizon, "recipe_low": low}
+
+
+def test_the_124m_step_count_divides_by_the_lowest_bound_or_by_nothing():
+    """llm.c's 19,073 steps over the smallest lower 95% bound of the deciding cells, rounded up;
+    undivided while a cell is not measured or the bound is below 1.1."""
+    rows = [_cell("code-large-1x", 2.0), _cell("prose-large-1x", 1.83), _cell("code-small-4x", 1.9)]
+    steps, why = study_report.config_steps(rows)
+    assert steps == math.ceil(19073 / 1.83) == 10423 and "prose-large-1x" in why
+    rows.append(_cell("prose-small-4x", None))
+    assert study_report.config_steps(rows)[0] == 19073
+    assert "not measured (prose-small-4x)" in study_report.config_steps(rows)[1]
+    rows[-1] = _cell("prose-small-4x", 1.09)
+    assert study_report.config_steps(rows) == (
+        19073,
+        "19,073 steps: the lower bound 1.09 (prose-small-4x) is below 1.1",
+    )
+    assert study_report.config_steps([])[0] == 19073
+
+
+def test_a_rows_lower_bound_is_its_intervals_low_end_or_its_bound():
+    rec = study_report.row("code-small-1x", baseline_race(), recipe_race(), 5000)
+    against = recipe_race()["configs"][3]["compute_multiplier"]
+    assert rec["recipe_low"] == pytest.approx(1 / against["ci"][1], rel=1e-12)
+    assert study_report.lower_bound({"value": 4.0, "bound": ">", "ci": None}) == 4.0
+    assert study_report.lower_bound({"value": 0.5, "bound": "<", "ci": None}) == 0.0
+    assert study_report.lower_bound({"value": 2.0, "bound": None, "ci": [None, 3.0]}) is None
+    assert study_report.not_run("prose-large-1x")["recipe_low"] is None
