@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gptrain.cache import atomic_write_bytes
 from gptrain.config.cli import parse_cli
-from gptrain.config.load import Config, load_config, to_toml
+from gptrain.config.load import Config, load_config, resolved_again, to_toml
 from gptrain.errors import UserError
 
 PLAN = "plan.json"  # the race's configs as resolved, checked when the race continues
@@ -313,7 +313,9 @@ def read_plan(path: Path) -> dict:
 
 def check_plan(out: Path, p: Plan) -> None:
     """A folder that holds a race of other configs, or of the same files edited since, is
-    refused: its runs would continue the old ones under the same names."""
+    refused: its runs would continue the old ones under the same names. A config saved by an
+    older gptrain is compared as this one resolves it: a key added since, at its default, is no
+    edit."""
     path = out / PLAN
     if not path.exists() and not path.is_symlink():
         return
@@ -323,7 +325,7 @@ def check_plan(out: Path, p: Plan) -> None:
         raise UserError(
             f"--out {out} holds a race of other configs ({', '.join(old) or 'none'}; this command races {', '.join(p.labels)}); run that race's command to continue it, or choose another --out"
         )
-    changed = [label for label in p.labels if old[label] != p.texts[label]]
+    changed = [label for label in p.labels if p.texts[label] not in (old[label], resolved_again(old[label]))]  # fmt: skip
     if not changed:
         return
     if theirs.get("overrides", p.overrides) != p.overrides:

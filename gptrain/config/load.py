@@ -161,21 +161,33 @@ def _apply(values: dict[str, dict], key: str, raw, from_cli: bool) -> None:
 
 def load_config(config_file: str | None = None, overrides: list[str] | tuple = ()) -> Config:
     """Defaults, then the TOML file, then `section.key=value` overrides; validated."""
-    values: dict[str, dict] = {s: {} for s in SECTIONS}
+    text = None
     if config_file:
-        path = Path(config_file)
         try:
-            data = tomllib.loads(path.read_text())
+            text = Path(config_file).read_text()
         except FileNotFoundError:
             raise UserError(
                 f"config file {config_file} not found; presets are in configs/ (e.g. configs/debug.toml)"
             ) from None
-        except (OSError, tomllib.TOMLDecodeError) as e:
+        except OSError as e:
             raise UserError(f"cannot read config file {config_file}: {e}") from None
+    return load_config_text(text, config_file, overrides)
+
+
+def load_config_text(
+    text: str | None, source: str | None = None, overrides: list[str] | tuple = ()
+) -> Config:
+    """load_config of a TOML text (`source` names it in errors)."""
+    values: dict[str, dict] = {s: {} for s in SECTIONS}
+    if text is not None:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"cannot read config file {source}: {e}") from None
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise UserError(
-                    f"{config_file}: top-level key {section!r} must be a [section]; sections are: {', '.join(SECTIONS)}"
+                    f"{source}: top-level key {section!r} must be a [section]; sections are: {', '.join(SECTIONS)}"
                 )
             for name, raw in table.items():
                 _apply(values, f"{section}.{name}", raw, from_cli=False)
@@ -189,6 +201,15 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple = (
     cfg = Config(**{s: type(SECTIONS[s]())(**values[s]) for s in SECTIONS})
     cfg.check()  # sections.py: values wrong on their own (each section) or together (Config)
     return cfg
+
+
+def resolved_again(text: str) -> str | None:
+    """A resolved config's text (to_toml's, perhaps written by an older gptrain) as this version
+    resolves it: keys added since take their defaults. None when it no longer loads."""
+    try:
+        return to_toml(load_config_text(text, "the saved config"))
+    except UserError:
+        return None
 
 
 def to_toml(cfg: Config) -> str:
