@@ -9,8 +9,9 @@ and llm.c's AdamW baseline, tuned alike, raced on two corpora at two sizes and t
 Options: --out DIR (default studies/main), --data DIR (default data/study), --corpora prose,code,
 --stages data,tune,race, --cells small-1x,large-1x,small-4x, --seeds 3, --baseline-ladder
 0.5,1,2, --recipe-ladder 0.125,0.25,0.5,1, --budget 12 (tuning trials per arm), --cap 16, --jobs 2
-(one-thread runs at a time: with two corpora, the corpora side by side; with one, its tuning's
-arms and its races' runs side by side. On 2 cores two one-thread runs of these small models do
+(one-thread runs at a time: in tuning, with two corpora the corpora side by side, with one its
+arms; in the races, one cell at a time, its runs side by side, so that no core waits while
+another corpus's longer cells go on. On 2 cores two one-thread runs of these small models do
 more than one two-thread run).
 
 The cells, in the order they run (cheapest first, so that a study stopped part-way has whole
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import study_progress  # noqa: E402
 import study_report  # noqa: E402
 import tune  # noqa: E402
 
@@ -133,35 +135,47 @@ def run_seconds(cell: Cell, speed: dict, multiple: float = 1.0) -> float:
 
 
 def plan_rows(args, speeds: dict[str, dict]) -> list[dict]:
-    """Each stage's runs and projected CPU seconds (None where its size is not measured)."""
+    """Each stage's runs, projected CPU seconds and the seconds of them still to go (both None
+    where its size is not measured; study_progress reads what OUT already holds)."""
     rows = []
-    ladders = [multiples(text) for text, _ in race_specs(args)]
     for corpus in args.corpora:
         cell = tune_cell(corpus)
         n, speed = len(ARMS) * args.budget, speeds.get(cell.size.name)
         s = n * run_seconds(cell, speed) if speed else None
-        rows.append({"stage": "tune", "cell": cell, "runs": f"{n} (+ up to {len(ARMS) * args.cap})", "s": s})  # fmt: skip
+        left = s and s * study_progress.tuning_left(args.out / "tuning" / corpus)
+        rows.append({"stage": "tune", "cell": cell, "runs": f"{n} (+ up to {len(ARMS) * args.cap})", "s": s, "left": left})  # fmt: skip
     for cell in cells(args.corpora):
-        runs = args.seeds * sum(len(ladder) + 1 for ladder in ladders)
-        speed, s = speeds.get(cell.size.name), None
-        if speed:  # each race: its ladder's rungs and one run of its other config
-            per_seed = sum(run_seconds(cell, speed, m) for ladder in ladders for m in [*ladder, 1])
-            s = args.seeds * per_seed
-        rows.append({"stage": "race", "cell": cell, "runs": str(runs), "s": s})
+        runs = [  # each race: its ladder's rungs and one run of its other config, every seed
+            run
+            for text, arms in race_specs(args)
+            for run in study_progress.race_runs(
+                args.out / "races" / cell.name / f"{arms[0]}-ladder",
+                multiples(text),
+                arms,
+                args.seeds,
+            )  # fmt: skip
+        ]
+        speed, s, left = speeds.get(cell.size.name), None, None
+        if speed:
+            s = sum(run_seconds(cell, speed, m) for _, m in runs)
+            left = sum(run_seconds(cell, speed, m) * study_progress.run_left(folder, round(cell.steps * m)) for folder, m in runs)  # fmt: skip
+        rows.append({"stage": "race", "cell": cell, "runs": str(len(runs)), "s": s, "left": left})
     return rows
 
 
 def plan(args) -> int:
     measured = read_throughput(args.out)
     speeds = measured.get("sizes", {})
-    print("| stage | cell | blocks' params | tokens per run (1x) | runs | projected CPU hours |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| stage | cell | blocks' params | tokens per run (1x) | runs | projected CPU hours | left |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|")
     per_corpus: dict[str, float] = {}
+    left: dict[str, float] = {}
     for row in plan_rows(args, speeds):
         c = row["cell"]
-        hours = "not measured" if row["s"] is None else f"{row['s'] / 3600:.2f}"
+        hours, to_go = ("not measured" if row[k] is None else f"{row[k] / 3600:.2f}" for k in ("s", "left"))  # fmt: skip
         per_corpus[c.corpus] = per_corpus.get(c.corpus, 0.0) + (row["s"] or 0.0)
-        print(f"| {row['stage']} | {c.name} | {c.size.block_params:,} | {c.steps * batch_tokens():,} | {row['runs']} | {hours} |")  # fmt: skip
+        left[c.corpus] = left.get(c.corpus, 0.0) + (row["left"] or 0.0)
+        print(f"| {row['stage']} | {c.name} | {c.size.block_params:,} | {c.steps * batch_tokens():,} | {row['runs']} | {hours} | {to_go} |")  # fmt: skip
     if not speeds:
         print(
             f"\nno tokens/s measured yet: run python benchmarks/study.py measure --out {args.out}"
@@ -172,6 +186,8 @@ def plan(args) -> int:
     print(f"\nprojected: {total / 3600:.1f} CPU hours (one thread per run); {wall / 3600:.1f} hours "
           f"with --jobs {len(per_corpus)} (one corpus per core, nothing else running) on "
           f"{measured['machine']}, {measured['date']} (tokens per CPU second: {rates})")  # fmt: skip
+    print(f"left: {sum(left.values()) / 3600:.1f} CPU hours; {max(left.values()) / 3600:.1f} hours "
+          f"with --jobs {len(left)} (each unfinished run from its newest checkpoint, in {args.out})")  # fmt: skip
     return 0
 
 
@@ -351,27 +367,15 @@ def run_race(args, cell: Cell) -> bool:
     return True
 
 
-def run_parallel(args) -> int:
-    """One `run` process per corpus at a time, each on one thread (OMP_NUM_THREADS=1), its output
-    in OUT/logs/run-<corpus>.log; the corpora's folders are disjoint."""
-    if "data" in args.stages.split(","):
-        prepare_data(args)
-    stages = ",".join(s for s in args.stages.split(",") if s != "data") or "none"
+def tune_parallel(args) -> None:
+    """The corpora's tunings side by side: one `run --stages tune` process per corpus, on one
+    thread (OMP_NUM_THREADS=1), its output in OUT/logs/run-<corpus>.log; the corpora's folders
+    are disjoint."""
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     running = []
     for corpus in args.corpora:
         cmd = [sys.executable, __file__, "run", "--jobs", "1", "--corpora", corpus]
-        cmd += ["--stages", stages, "--out", str(args.out), "--data", str(args.data)]
-        cmd += [
-            "--seeds",
-            str(args.seeds),
-            "--baseline-ladder",
-            args.baseline_ladder,
-            "--recipe-ladder",
-            args.recipe_ladder,
-            "--cells",
-            ",".join(args.cells),
-        ]
+        cmd += ["--stages", "tune", "--out", str(args.out), "--data", str(args.data)]
         cmd += ["--budget", str(args.budget), "--cap", str(args.cap)]
         log = args.out / "logs" / f"run-{corpus}.log"
         with open(log, "a") as f:
@@ -386,17 +390,18 @@ def run_parallel(args) -> int:
                 proc.terminate()
                 proc.wait()
     if failed:
-        raise UserError(f"the {failed[0][0]} part failed: see the end of {failed[0][1]}")
-    return report(args)
+        raise UserError(f"the tuning of {failed[0][0]} failed: see the end of {failed[0][1]}")
+    for corpus in args.corpora:  # a tuning stopped by a signal ends here, to continue next time
+        tuned(args, corpus)
 
 
 def run(args) -> int:
-    if args.jobs > 1 and len(args.corpora) > 1:
-        return run_parallel(args)
     stages = args.stages.split(",")
     if "data" in stages:
         prepare_data(args)
-    if "tune" in stages:
+    if "tune" in stages and args.jobs > 1 and len(args.corpora) > 1:
+        tune_parallel(args)
+    elif "tune" in stages:
         for corpus in args.corpora:
             run_tuning(args, corpus)
     if "race" in stages:
@@ -452,7 +457,7 @@ def parse_args(argv: list[str]):
         "--jobs",
         type=int,
         default=2,
-        help="run: one-thread runs at a time: the corpora side by side, or one corpus's arms",
+        help="run: one-thread runs at a time: tuning's corpora (or arms), a race's runs",
     )
     ap.add_argument("--cells", default=",".join(ORDER), help="run: the races to run, of " + ", ".join(ORDER))  # fmt: skip
     ap.add_argument("--seeds", type=int, default=3)

@@ -9,7 +9,8 @@
 
 One optimizer step consumes exactly train.total_batch_size tokens whatever the world size:
 accumulation = total_batch_size / (micro_batch_size * seq_len * world_size). Gradients are
-synchronised only on the last micro-step (FSDP2: on each, unless dist.fsdp_reduce = last). `.item()` (a host sync) happens only on logging steps.
+synchronised only on the last micro-step (FSDP2: on each, unless dist.fsdp_reduce = last).
+`.item()` (a host sync) happens only on logging steps.
 
 At each step boundary the loop asks gptrain/training/guards.py whether a rank was signalled to stop (then it
 saves and exits 0) and, on steps that sync anyway, applies the non-finite policy. A step that both

@@ -1,5 +1,5 @@
 """The building blocks of config sections: a documented field, the one-line refusal, the
-choices check, and the duration syntax (90s, 10m, 2h)."""
+choices check, the duration syntax (90s, 10m, 2h) and the KEY=N,... list syntax."""
 
 from __future__ import annotations
 
@@ -38,3 +38,13 @@ def duration_s(text: str) -> float | None:
     except (KeyError, ValueError):
         return None
     return value if 0 < value < float("inf") else None
+
+
+def bad_key_number(text: str, keys: tuple[str, ...]) -> str | None:
+    """The first item of 'KEY=N,KEY=N,...' that is not KEY=N with KEY in `keys` and a whole
+    N >= 1; None when every item is."""
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if not (key.strip() in keys and value.strip().isdigit() and int(value) >= 1):
+            return item
+    return None

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gptrain.config.fields import check, duration_s, opt
+from gptrain.config.fields import bad_key_number, check, duration_s, opt
 
 FLOAT8_HELP = "float8 matmuls (torchao: pip install 'gptrain[fp8]') in the blocks' Linear layers, under bf16, on GPUs with FP8 (compute capability >= 8.9): on, off, or auto: the shapes timed faster"
+FSDP_REDUCE_HELP = "FSDP2 with accumulation: reduce-scatter every micro-step (each rank keeps its gradient shard) or on the last only (fewer transfers; each rank keeps the whole float32 gradient)"
 MUON_SPLIT_HELP = "muon only, 2+ processes: split: each matrix orthogonalised on one rank, sent to the others (FSDP2: always); redundant: every DDP rank does every matrix; auto: split"
 
 
@@ -322,7 +323,6 @@ class LogConfig:
         check(self.every >= 1, f"log.every = {self.every} must be >= 1")
 
 
-# the rendezvous settings torch's c10d handler reads as whole numbers (dist.rdzv_conf)
 RDZV_KEYS = tuple(
     "join_timeout last_call_timeout close_timeout heartbeat_timeout read_timeout keep_alive_interval keep_alive_max_attempt".split()
 )
@@ -358,11 +358,7 @@ class DistConfig:
         "process-group backend: auto (nccl with CUDA, else gloo), nccl or gloo",
         ("auto", "nccl", "gloo"),
     )
-    fsdp_reduce: str = opt(
-        "every",
-        "FSDP2 with accumulation: reduce-scatter every micro-step (each rank keeps its gradient shard) or on the last only (fewer transfers; each rank keeps the whole float32 gradient)",
-        ("every", "last"),
-    )
+    fsdp_reduce: str = opt("every", FSDP_REDUCE_HELP, ("every", "last"))
     timeout_s: int = opt(300, "seconds before a stuck collective ends the run with an error")
     hang_timeout_s: int | str = opt(
         "auto",
@@ -400,12 +396,10 @@ class DistConfig:
             n == "auto" or (n.isdecimal() and int(n) >= 1),
             f"dist.nproc_per_node = {n!r}; allowed: a whole number >= 1 or auto",
         )
-        for item in filter(None, self.rdzv_conf.split(",")):  # torch ignores keys it does not know
-            key, _, value = item.partition("=")
-            check(
-                key.strip() in RDZV_KEYS and value.strip().isdigit() and int(value) >= 1,
-                f"dist.rdzv_conf = {self.rdzv_conf!r}: {item!r} is not KEY=N with N >= 1 and KEY one of {', '.join(RDZV_KEYS)}",
-            )
+        # RDZV_KEYS: the settings c10d reads as whole numbers (torch ignores keys it does not know)
+        bad = bad_key_number(self.rdzv_conf, RDZV_KEYS)
+        why = f"dist.rdzv_conf = {self.rdzv_conf!r}: {bad!r} is not KEY=N with N >= 1 and KEY one of {', '.join(RDZV_KEYS)}"
+        check(bad is None, why)
 
 
 @dataclass(frozen=True)
