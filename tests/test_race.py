@@ -621,17 +621,21 @@ def test_with_jobs_on_a_cpu_the_runs_train_side_by_side_and_equal_one_at_a_time(
     configs, byte_data, tmp_path, monkeypatch, capsys
 ):
     """--jobs 2: both seeds start at once as subprocesses, each with OMP_NUM_THREADS = half the
-    cores; their final losses equal the same race trained in process one run at a time."""
+    cores; their final losses equal the same race trained in process one run at a time. A race
+    of one run fills one of the two slots."""
     monkeypatch.setattr(
         race_cmd, "subprocess", SimpleNamespace(Popen=forked.Popen, STDOUT=subprocess.STDOUT)
     )
     threads = max(1, (os.cpu_count() or 1) // 2)
 
-    def race(out, *more):
-        argv = ["race", "--config", configs[0], "--seeds", "2", "--out", str(out)]
+    def race(out, *more, seeds="2"):
+        argv = ["race", "--config", configs[0], "--seeds", seeds, "--out", str(out)]
         assert cli([*argv, f"--data.dir={byte_data}", *FAST, *more]) == 0
         return json.loads((out / "race.json").read_text())
 
+    one = race(tmp_path / "one", "--jobs", "2", seeds="1")  # fewer runs than slots
+    assert [r["status"] for r in one["runs"]] == ["done"]
+    capsys.readouterr()
     side = race(tmp_path / "side", "--jobs", "2")
     err = capsys.readouterr().err
     assert err.count(f"race: CPU, {threads} thread(s): debug seed") == 2

@@ -208,8 +208,9 @@ def _run_parallel(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[
     with _signals_noted(received):
         try:
             while (pending or running) and not received:
-                for i in [i for i in range(len(slots)) if i not in running and pending]:
-                    running[i] = _start(pending.pop(0), slots[i], logs)
+                for i in range(len(slots)):  # each free slot while runs are pending
+                    if i not in running and pending:
+                        running[i] = _start(pending.pop(0), slots[i], logs)
                 for i, (job, proc, log) in list(running.items()):
                     if proc.poll() is None:
                         continue
