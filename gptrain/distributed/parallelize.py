@@ -83,27 +83,7 @@ def wrap_model(
         for block in blocks:
             checkpoint_forward(block)
     if shards(cfg, info):
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        except ImportError:
-            raise UserError(
-                f"dist.mode = 'fsdp' needs torch >= 2.6 (this is {torch.__version__}); upgrade torch or use dist.mode=ddp"
-            ) from None
-        low = None if param_dtype == torch.float32 else param_dtype
-        block_mp = MixedPrecisionPolicy(
-            param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False
-        )
-        fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-        for block in blocks:
-            if compile:
-                block.compile()
-            norms = [m for m in block.modules() if isinstance(m, nn.LayerNorm)]
-            if low is not None and norms and info.device_type == "cpu":  # see 3. above
-                fully_shard(norms, mp_policy=fp32)
-            fully_shard(block, mp_policy=block_mp)
-        fully_shard(model, mp_policy=fp32)
-        if cfg.fsdp_reduce == "every":
-            _REDUCE_EVERY.add(model)
+        _fully_shard(model, blocks, cfg, info, compile, param_dtype)
         return model
     if compile:
         model.compile()
@@ -119,6 +99,31 @@ def wrap_model(
             static_graph=cfg.static_graph,
         )
     return model
+
+
+def _fully_shard(model, blocks, cfg: DistConfig, info: DistInfo, compile: bool, param_dtype):
+    """wrap_model's FSDP2 step 3 (and step 2 per block): see its docstring."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:
+        raise UserError(
+            f"dist.mode = 'fsdp' needs torch >= 2.6 (this is {torch.__version__}); upgrade torch or use dist.mode=ddp"
+        ) from None
+    low = None if param_dtype == torch.float32 else param_dtype
+    block_mp = MixedPrecisionPolicy(
+        param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for block in blocks:
+        if compile:
+            block.compile()
+        norms = [m for m in block.modules() if isinstance(m, nn.LayerNorm)]
+        if low is not None and norms and info.device_type == "cpu":  # wrap_model, 3.
+            fully_shard(norms, mp_policy=fp32)
+        fully_shard(block, mp_policy=block_mp)
+    fully_shard(model, mp_policy=fp32)
+    if cfg.fsdp_reduce == "every":
+        _REDUCE_EVERY.add(model)
 
 
 def float8_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
