@@ -168,27 +168,39 @@ def plan(args) -> int:
     speeds = measured.get("sizes", {})
     print("| stage | cell | blocks' params | tokens per run (1x) | runs | projected CPU hours | left |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|")
-    per_corpus: dict[str, float] = {}
-    left: dict[str, float] = {}
+    parts: dict[str, dict] = {"s": {}, "left": {}}  # seconds by (stage, corpus of a tuning)
     for row in plan_rows(args, speeds):
         c = row["cell"]
         hours, to_go = ("not measured" if row[k] is None else f"{row[k] / 3600:.2f}" for k in ("s", "left"))  # fmt: skip
-        per_corpus[c.corpus] = per_corpus.get(c.corpus, 0.0) + (row["s"] or 0.0)
-        left[c.corpus] = left.get(c.corpus, 0.0) + (row["left"] or 0.0)
+        where = (row["stage"], c.corpus if row["stage"] == "tune" else "")
+        for k in parts:
+            parts[k][where] = parts[k].get(where, 0.0) + (row[k] or 0.0)
         print(f"| {row['stage']} | {c.name} | {c.size.block_params:,} | {c.steps * batch_tokens():,} | {row['runs']} | {hours} | {to_go} |")  # fmt: skip
     if not speeds:
         print(
             f"\nno tokens/s measured yet: run python benchmarks/study.py measure --out {args.out}"
         )
         return 0
-    total, wall = sum(per_corpus.values()), max(per_corpus.values())
+    (total, wall), (left, left_wall) = (_hours(args, parts[k]) for k in ("s", "left"))
     rates = ", ".join(f"{k} {v['tok_per_cpu_s']:,.0f}" for k, v in speeds.items())
-    print(f"\nprojected: {total / 3600:.1f} CPU hours (one thread per run); {wall / 3600:.1f} hours "
-          f"with --jobs {len(per_corpus)} (one corpus per core, nothing else running) on "
-          f"{measured['machine']}, {measured['date']} (tokens per CPU second: {rates})")  # fmt: skip
-    print(f"left: {sum(left.values()) / 3600:.1f} CPU hours; {max(left.values()) / 3600:.1f} hours "
-          f"with --jobs {len(left)} (each unfinished run from its newest checkpoint, in {args.out})")  # fmt: skip
+    print(f"\nprojected: {total:.1f} CPU hours (one thread per run); {wall:.1f} hours with --jobs "
+          f"{args.jobs} (nothing else running) on {measured['machine']}, {measured['date']} "
+          f"(tokens per CPU second: {rates})")  # fmt: skip
+    print(f"left: {left:.1f} CPU hours; {left_wall:.1f} hours with --jobs {args.jobs} (each "
+          f"unfinished run from its newest checkpoint, in {args.out})")  # fmt: skip
     return 0
+
+
+def _hours(args, parts: dict) -> tuple[float, float]:
+    """(CPU hours, wall hours) of `parts` ({(stage, corpus): CPU seconds}) as `run` spends them
+    with --jobs J: the corpora's tunings side by side (one corpus: its arms), then the races'
+    runs J at a time."""
+    total = sum(parts.values())
+    if args.jobs <= 1:
+        return total / 3600, total / 3600
+    tunes = [v for (stage, _), v in parts.items() if stage == "tune"]
+    tune = max(tunes, default=0.0) if len(tunes) > 1 else sum(tunes) / args.jobs
+    return total / 3600, (tune + parts.get(("race", ""), 0.0) / args.jobs) / 3600
 
 
 def read_throughput(out: Path) -> dict:
