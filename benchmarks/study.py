@@ -145,20 +145,17 @@ def plan_rows(args, speeds: dict[str, dict]) -> list[dict]:
         left = s and s * study_progress.tuning_left(args.out / "tuning" / corpus)
         rows.append({"stage": "tune", "cell": cell, "runs": f"{n} (+ up to {len(ARMS) * args.cap})", "s": s, "left": left})  # fmt: skip
     for cell in cells(args.corpora):
+        folder = args.out / "races" / cell.name
+        races = [(folder / f"{arms[0]}-ladder", multiples(text), arms) for text, arms in race_specs(args)]  # fmt: skip
         runs = [  # each race: its ladder's rungs and one run of its other config, every seed
             run
-            for text, arms in race_specs(args)
-            for run in study_progress.race_runs(
-                args.out / "races" / cell.name / f"{arms[0]}-ladder",
-                multiples(text),
-                arms,
-                args.seeds,
-            )  # fmt: skip
+            for out, ladder, arms in races
+            for run in study_progress.race_runs(out, ladder, arms, args.seeds)
         ]
         speed, s, left = speeds.get(cell.size.name), None, None
         if speed:
             s = sum(run_seconds(cell, speed, m) for _, m in runs)
-            left = sum(run_seconds(cell, speed, m) * study_progress.run_left(folder, round(cell.steps * m)) for folder, m in runs)  # fmt: skip
+            left = sum(run_seconds(cell, speed, m) * study_progress.run_left(run, round(cell.steps * m)) for run, m in runs)  # fmt: skip
         rows.append({"stage": "race", "cell": cell, "runs": str(len(runs)), "s": s, "left": left})
     return rows
 

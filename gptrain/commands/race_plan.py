@@ -325,7 +325,11 @@ def check_plan(out: Path, p: Plan) -> None:
         raise UserError(
             f"--out {out} holds a race of other configs ({', '.join(old) or 'none'}; this command races {', '.join(p.labels)}); run that race's command to continue it, or choose another --out"
         )
-    changed = [label for label in p.labels if p.texts[label] not in (old[label], resolved_again(old[label]))]  # fmt: skip
+    changed = [
+        label
+        for label in p.labels
+        if old[label] != p.texts[label] and resolved_again(old[label]) != p.texts[label]
+    ]
     if not changed:
         return
     if theirs.get("overrides", p.overrides) != p.overrides:
