@@ -303,7 +303,7 @@ def test_a_race_of_two_configs_writes_race_json_the_table_and_race_png(
 
 def test_a_stopped_race_continues_with_the_runs_it_lacks(configs, byte_data, tmp_path, monkeypatch):
     """Ctrl-C at step 6 of the third run (its checkpoint at step 4 saved): the same command
-    then says runs 1-2 are already trained, resumes run 3 at step 4 and trains run 4."""
+    then leaves the finished runs 1-2 unstarted, resumes run 3 at step 4 and trains run 4."""
     from gptrain.training.meter import Meter
 
     out, started, report = tmp_path / "race", [], Meter.report
@@ -329,8 +329,8 @@ def test_a_stopped_race_continues_with_the_runs_it_lacks(configs, byte_data, tmp
         for d in ("debug/seed_1", "debug/seed_2", "fast/seed_1", "fast/seed_2")
     }
     assert starts == {  # the order: debug 1, fast 1, debug 2 (stopped at step 6), fast 2
-        "debug/seed_1": [0, 8],
-        "fast/seed_1": [0, 8],
+        "debug/seed_1": [0],
+        "fast/seed_1": [0],
         "debug/seed_2": [0, 4],
         "fast/seed_2": [0],
     }
@@ -640,6 +640,10 @@ def test_with_jobs_on_a_cpu_the_runs_train_side_by_side_and_equal_one_at_a_time(
     err = capsys.readouterr().err
     assert err.count(f"race: CPU, {threads} thread(s): debug seed") == 2
     assert "step 8/8" in (tmp_path / "side" / "logs" / "debug_seed_2.log").read_text()
+    again = race(tmp_path / "side", "--jobs", "2")  # finished runs are not started again
+    err = capsys.readouterr().err
+    assert "race: CPU" not in err and "race: 2 run(s) already finished" in err
+    assert [r["val_loss"] for r in again["runs"]] == [r["val_loss"] for r in side["runs"]]
     alone = race(tmp_path / "alone")
     assert [r["status"] for r in side["runs"]] == ["done", "done"]
     for a, b in zip(side["runs"], alone["runs"], strict=True):

@@ -29,9 +29,9 @@ every run is one process, one run per GPU at a time; with --jobs N on a CPU, N a
 (subprocesses, CUDA_VISIBLE_DEVICES or OMP_NUM_THREADS, each in its own session: SIGTERM or
 SIGINT to the race is passed on to them, STOP_WAIT_S at most).
 The race holds DIR's run-folder lock throughout (a second race into DIR stops with one line).
-A race stopped part-way continues when the same command runs again: every run directory resumes,
-or says it is already trained, through gptrain train's own resume; a run ending without its
-summary.json and without a signal is run once more. At the end: DIR/race.json (every run's curve
+A race stopped part-way continues when the same command runs again: a finished run (its
+summary.json written) is not started again, every other run directory resumes through gptrain
+train's own resume; a run ending without its summary.json and without a signal is run once more. At the end: DIR/race.json (every run's curve
 and numbers, each config's statistics, the regime from DIR/unigram.json), DIR/race.png, and the
 markdown table on stdout. The statistics are explained in docs/race.md.
 """
@@ -135,10 +135,14 @@ def slots(cfgs: list[Config], jobs: int) -> list[str | None]:
 
 def run_all(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[Job, int]:
     """Each job's exit code. A run stopped by a signal stops the race (Stopped; Ctrl-C:
-    KeyboardInterrupt), to continue next time."""
+    KeyboardInterrupt), to continue next time. A run that has finished (`finished`) is not
+    started again: a race continued after a stop starts only the runs it lacks."""
+    codes = {job: 0 for job in jobs if finished(job)}
+    jobs = [job for job in jobs if job not in codes]
+    if codes:
+        print(f"race: {len(codes)} run(s) already finished", file=sys.stderr)
     if slots != [None]:
-        return _run_parallel(jobs, slots, logs)
-    codes = {}
+        return codes | _run_parallel(jobs, slots, logs)
     for n, job in enumerate(jobs, 1):
         print(
             f"race: run {n}/{len(jobs)}: {job.label} seed {job.seed} -> {job.run_dir}",
@@ -146,6 +150,12 @@ def run_all(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[Job, i
         )
         codes[job] = _run_in_process(job)
     return codes
+
+
+def finished(job: Job) -> bool:
+    """Whether a run has finished: its summary.json, written once at its end, exists. (Its
+    config is the race's: check_plan refuses a race folder whose plan changed.)"""
+    return (job.run_dir / "summary.json").is_file()
 
 
 def _run_in_process(job: Job) -> int:
