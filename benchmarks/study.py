@@ -29,7 +29,8 @@ on the corpus's tuning split (the small model at 1x):
 The first says how many times the baseline's tokens the ablation's loss is worth; the second at
 how many tokens the recipe reaches the baseline's loss, whose inverse is the recipe's multiplier
 (benchmarks/study_report.py): each crossing falls inside a ladder whatever the size of the gap,
-and the recipe's ladder reads no token twice.
+and the recipe's ladder reads no token twice. The second race's baseline runs are the first's 1x
+runs (the same config and seed): they are copied, not trained again (benchmarks/study_reuse.py).
 
 Every stage resumes itself (tuning trials and race runs are run directories); `run` again
 after any stop continues where it was.
@@ -52,6 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study_progress  # noqa: E402
 import study_report  # noqa: E402
+import study_reuse  # noqa: E402
 import tune  # noqa: E402
 
 from gptrain.cache import atomic_write_bytes  # noqa: E402
@@ -148,15 +150,17 @@ def plan_rows(args, speeds: dict[str, dict]) -> list[dict]:
         folder = args.out / "races" / cell.name
         races = [(folder / f"{arms[0]}-ladder", multiples(text), arms) for text, arms in race_specs(args)]  # fmt: skip
         runs = [  # each race: its ladder's rungs and one run of its other config, every seed
-            run
+            run  # (less the recipe race's baseline runs: copies of the ladder's, study_reuse)
             for out, ladder, arms in races
             for run in study_progress.race_runs(out, ladder, arms, args.seeds)
+            if study_reuse.twin(run[0], multiples(args.baseline_ladder)) is None
         ]
         speed, s, left = speeds.get(cell.size.name), None, None
         if speed:
             s = sum(run_seconds(cell, speed, m) for _, m in runs)
             left = sum(run_seconds(cell, speed, m) * study_progress.run_left(run, round(cell.steps * m)) for run, m in runs)  # fmt: skip
-        rows.append({"stage": "race", "cell": cell, "runs": str(len(runs)), "s": s, "left": left})
+        copies = args.seeds if 1.0 in multiples(args.baseline_ladder) else 0
+        rows.append({"stage": "race", "cell": cell, "runs": f"{len(runs)} (+{copies} copied)", "s": s, "left": left})  # fmt: skip
     return rows
 
 
@@ -365,6 +369,7 @@ def run_race(args, cell: Cell) -> bool:
             cmd += ["--config", str(paths[arm])]
         cmd += ["--seeds", str(args.seeds), "--ladder", ladder, "--out", str(out)]
         cmd += ["--jobs", str(args.jobs)]
+        copy_twins(args, out, arms, paths)
         print(f"study: race {cell.name}: {' '.join(cmd)}", file=sys.stderr)
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=one_thread(args))
         if done.returncode != 0:
@@ -374,6 +379,19 @@ def run_race(args, cell: Cell) -> bool:
         atomic_write_bytes(out / "table.md", done.stdout.encode())
         print(f"\n## {cell.name}, the {arms[0]}'s ladder\n\n{done.stdout}")
     return True
+
+
+def copy_twins(args, out: Path, arms: tuple[str, str], paths: dict[str, Path]) -> None:
+    """The race's runs that repeat a finished run of the cell's other race, copied (study_reuse)."""
+    ladder = multiples(args.baseline_ladder)
+    for run_dir in (out / arms[1] / f"seed_{k}" for k in range(1, args.seeds + 1)):
+        source = study_reuse.twin(run_dir, ladder)
+        if source is None:
+            continue
+        overrides = [f"train.seed={run_dir.name.removeprefix('seed_')}", f"run.dir={run_dir}"]
+        expected = to_toml(load_config(str(paths[arms[1]]), overrides))
+        if study_reuse.copy_finished(source, run_dir, expected):
+            print(f"study: {run_dir} is {source} (the same config and seed): copied", file=sys.stderr)  # fmt: skip
 
 
 def tune_parallel(args) -> None:

@@ -1,0 +1,81 @@
+"""benchmarks/study_reuse.py: the recipe race's baseline runs are copies of the baseline ladder's
+finished 1x runs. A copy is a finished run in its own folder (gptrain train there says already
+trained, as in the source), and nothing else is ever copied or overwritten."""
+
+import json
+import sys
+
+import pytest
+from train_helpers import DEBUG, REPO
+
+from gptrain.__main__ import main as cli
+from gptrain.config.load import load_config, to_toml
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import study_reuse  # noqa: E402
+
+FAST = ["log.progress=false", "train.max_steps=4", "eval.every=2", "eval.tokens=1024"]
+FAST += ["eval.sample_every=0", "checkpoint.every=2", "optim.warmup_steps=1"]
+
+
+def test_the_twin_of_a_recipe_race_baseline_run_is_the_ladders_1x_run(tmp_path):
+    cell = tmp_path / "races" / "code-small-4x"
+    run = cell / "recipe-ladder" / "baseline" / "seed_2"
+    assert study_reuse.twin(run, [0.5, 1.0, 2.0]) == cell / "baseline-ladder/baseline@1/seed_2"
+    assert study_reuse.twin(run, [0.5, 2.0]) is None  # no 1x rung: nothing to copy
+    assert study_reuse.twin(cell / "recipe-ladder" / "recipe@1" / "seed_2", [1.0]) is None
+    assert study_reuse.twin(cell / "baseline-ladder" / "baseline" / "seed_2", [1.0]) is None
+
+
+def config_text(byte_data, run_dir, *more) -> str:
+    overrides = [f"data.dir={byte_data}", f"run.dir={run_dir}", "train.seed=2", *FAST, *more]
+    return to_toml(load_config(DEBUG, overrides))
+
+
+def train(byte_data, run_dir, capsys, *more) -> str:
+    config = run_dir.parent / f"{run_dir.name}.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(config_text(byte_data, run_dir, *more))
+    capsys.readouterr()
+    assert cli(["train", "--config", str(config)]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.fixture
+def ladder_run(byte_data, tmp_path, capsys):
+    source = tmp_path / "baseline-ladder" / "baseline@1" / "seed_2"
+    train(byte_data, source, capsys)
+    return source
+
+
+def test_a_finished_run_is_copied_and_trains_no_further_in_its_new_folder(
+    ladder_run, byte_data, tmp_path, capsys
+):
+    dest = tmp_path / "recipe-ladder" / "baseline" / "seed_2"
+    (dest.parent / ".seed_2.copying").mkdir(parents=True)  # a copy cut short by a stop
+    (ladder_run / ".lock").write_text("stale")
+    assert study_reuse.copy_finished(ladder_run, dest, config_text(byte_data, dest))
+    assert not (dest.parent / ".seed_2.copying").exists() and not (dest / ".lock").exists()
+    assert (dest / "config.toml").read_text() == config_text(byte_data, dest)
+    out = train(byte_data, dest, capsys)  # the race's own start of this run, were it started
+    assert "already trained to step 4" in out
+    rows = [json.loads(line) for line in (dest / "metrics.jsonl").read_text().splitlines()]
+    source = [json.loads(line) for line in (ladder_run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == source and rows[-1]["step"] == 4 and "val_loss" in rows[-1]
+
+
+def test_only_a_finished_run_of_the_same_config_into_a_new_folder_is_copied(
+    ladder_run, byte_data, tmp_path
+):
+    dest = tmp_path / "recipe-ladder" / "baseline" / "seed_2"
+    other = config_text(byte_data, dest, "optim.lr=1e-3")
+    assert not study_reuse.copy_finished(ladder_run, dest, other)  # another config
+    assert not dest.exists()
+    dest.mkdir(parents=True)
+    (dest / "train.log").write_text("its own")
+    assert not study_reuse.copy_finished(ladder_run, dest, config_text(byte_data, dest))
+    assert [p.name for p in dest.iterdir()] == ["train.log"]  # an existing folder: untouched
+    (ladder_run / "summary.json").unlink()  # unfinished (killed before its summary)
+    fresh = tmp_path / "recipe-ladder" / "baseline" / "seed_3"
+    assert not study_reuse.copy_finished(ladder_run, fresh, config_text(byte_data, fresh))
+    assert not fresh.exists()
