@@ -240,6 +240,34 @@ def test_a_requeue_differing_only_in_keys_that_cannot_change_training_continues(
     )
 
 
+def test_a_timeline_recorded_before_a_training_key_existed_continues_at_its_default(tmp_path):
+    """A timeline started by resume = 6 under a gptrain without model.bias (its record lacks the
+    key), step 8 saved: this gptrain's same command, bias at its default, continues it; with
+    bias changed it branches from step 6. A record that keeps only the hash (an older format)
+    is compared by the hash: the same text continues, the text with the new key branches."""
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step)
+    branch = {"checkpoint": {"resume": "6"}, "optim": {"lr": 2e-3}}
+    now = toml(**branch)
+    assert "bias = true" in now  # the default, written by to_toml
+    older = now.replace("bias = true\n", "", 1)
+    plan = retention.plan(tmp_path, "6", older)
+    assert plan.branch and "bias" not in plan.timeline["keys"]["model"]
+    retention.begin(tmp_path, plan)
+    fake_checkpoint(tmp_path, 8)
+    again = retention.plan(tmp_path, "6", now)
+    assert not again.branch and again.path.name == "step_00000008"
+    assert again.timeline == plan.timeline
+    other = retention.plan(tmp_path, "6", toml(**branch, model={"bias": False}))
+    assert other.branch and other.path.name == "step_00000006"
+
+    record = json.loads((tmp_path / "checkpoints" / folder.TIMELINE).read_text())
+    del record["keys"]  # as a gptrain that kept only the hashes wrote it
+    (tmp_path / "checkpoints" / folder.TIMELINE).write_text(json.dumps(record))
+    assert not retention.plan(tmp_path, "6", older).branch
+    assert retention.plan(tmp_path, "6", now).branch
+
+
 def fake_checkpoint(run_dir, step: int, layout: str = "") -> Path:
     """A checkpoint folder of `step` on the run's timeline, valid for retention.problem (hashed
     files, meta.json with the timeline, as a save writes it), named in `latest`. layout "dcp":

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptrain.checkpoint import folder
-from gptrain.config.identity import training_identity
+from gptrain.config.identity import same_training, training_identity, training_keys
 from gptrain.errors import UserError, first_line
 
 
@@ -86,13 +86,24 @@ class Plan:
 
 def identities(command: str) -> dict:
     """What a timeline record keeps of the config that started it: `command`, a hash of the whole
-    resolved config, and `training`, a hash of the keys that can change training
-    (config/identity.py)."""
+    resolved config, `training`, a hash of the keys that can change training, and those keys
+    themselves, `keys` (config/identity.py)."""
     whole = hashlib.sha256(command.encode()).hexdigest()[:16]
     try:
-        return {"command": whole, "training": training_identity(command)}
+        keys = training_keys(command)
     except tomllib.TOMLDecodeError:  # not a resolved config: only the whole text identifies it
         return {"command": whole, "training": whole}
+    return {"command": whole, "training": training_identity(command), "keys": keys}
+
+
+def trains_alike(record: dict, ids: dict) -> bool:
+    """Whether a timeline record's config and `ids` (identities) train the same run: by their
+    keys (a key added to gptrain since the record, at its default, is no difference), or, for a
+    record of a gptrain that kept only the hash, by that hash."""
+    saved = record.get("keys")
+    if isinstance(saved, dict) and "keys" in ids:
+        return same_training(saved, ids["keys"])
+    return ids["training"] == record.get("training")
 
 
 def plan(run_dir: str | Path, resume: str, command: str) -> Plan:
@@ -120,7 +131,7 @@ def plan(run_dir: str | Path, resume: str, command: str) -> Plan:
         [] if now is None else [a for a in [now, *now["ancestors"]] if a.get("from_step") == step]
     )
     same = [a for a in started if ids["command"] == a.get("command")]
-    if same or any(ids["training"] == a.get("training") for a in started):
+    if same or any(trains_alike(a, ids) for a in started):
         path, warnings = resume_point(run_dir, "latest")
         how = "config" if same else "training config (the keys that differ cannot change training)"
         line = f"checkpoint.resume = {step} already started this timeline with the same {how}: continuing it from {path.name}, not going back to step {step} (a run with other training settings branches from step {step} again)"
@@ -142,6 +153,7 @@ def _branch(run_dir, step: int, ids: dict, again: bool = False) -> Plan:
     parent = timeline_of(path)
     parent = parent if isinstance(parent, dict) else {"id": "", "ancestors": []}
     head = {k: parent.get(k) for k in ("id", "from_step", "command", "training")}
+    head |= {"keys": parent["keys"]} if "keys" in parent else {}
     t = {"id": secrets.token_hex(6), "from_step": step, **ids}
     t["ancestors"] = [*parent["ancestors"], {**head, "until": step}]
     left = [p.name for p in candidates(run_dir) if _step_of(p.name) > step]

@@ -7,13 +7,20 @@ endpoint, a new rendezvous id, another node count with the same train.total_batc
 checkpoint cadence, evaluations) continues that timeline; any other difference (optim.lr, the
 model, the data, the seed, ...) is another training, which starts a new timeline. A whole section
 is named by its name alone.
+
+A timeline records its training keys too, so that a gptrain that has added a key since compares
+them by meaning (`same_training`): a key the record lacks trains as before at its default (a key
+is added with the default that keeps what earlier versions did).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import tomllib
+
+from gptrain.config.load import Config, to_toml
 
 NOT_TRAINING: dict[str, str] = {
     "train.micro_batch_size": "the data cursor counts windows: any split of train.total_batch_size trains the same batches",
@@ -49,3 +56,24 @@ def training_identity(config_text: str) -> str:
     """A short hash of training_keys: equal for two configs that train the same run."""
     canonical = json.dumps(training_keys(config_text), sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _defaults() -> dict:
+    return training_keys(to_toml(Config()))
+
+
+def same_training(saved: dict, now: dict) -> bool:
+    """Whether training_keys `saved` (recorded, perhaps by an older gptrain) and `now` train the
+    same run: each key equal, a key `saved` lacks at this gptrain's default; a saved key that no
+    longer exists is a difference."""
+    defaults, missing = _defaults(), object()
+    for section in saved.keys() | now.keys():
+        old, new = saved.get(section, {}), now.get(section, {})
+        if not isinstance(old, dict):
+            return False
+        for key in old.keys() | new.keys():
+            want = old[key] if key in old else defaults.get(section, {}).get(key, missing)
+            if key not in new or want != new[key]:
+                return False
+    return True
