@@ -2,6 +2,7 @@
 intervals that exclude saves and evaluations, and how a rate is printed."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,17 +74,29 @@ def test_every_dtype_is_timed_the_same_way_in_complete_runs(monkeypatch, dtype):
 def test_each_timed_run_repeats_its_product_for_min_run_s(monkeypatch):
     """What a GPU gets (min_run_s 0.02 there: one product takes ~1 ms): each timed run repeats
     its product for at least min_run_s, the same count in every run of a shape, and the peak is
-    per product, so it agrees with one-product runs (within this shared CPU's noise)."""
-    calls = _count_matmuls(monkeypatch)
+    per product: on a clock where every product takes its FLOPs at 50 GFLOP/s, both ways of
+    timing measure 50 GFLOP/s exactly."""
+    from gptrain.logs import mfu
+
+    calls, rate, now = _count_matmuls(monkeypatch), 50e9, [0.0]
+    counted = torch.mm
+
+    def timed(a, b):  # each product advances the clock by its FLOPs at `rate`
+        now[0] += 2 * a.shape[0] * a.shape[1] * b.shape[1] / rate
+        return counted(a, b)
+
+    monkeypatch.setattr(torch, "mm", timed)
+    monkeypatch.setattr(mfu, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     one = measure_peak_flops("cpu", torch.float32, runs=2, max_run_s=0.05)
     assert len(calls) == 3 * len(set(calls))  # CPU default: a warm-up and 2 single products
     calls.clear()
     repeated = measure_peak_flops("cpu", torch.float32, runs=2, max_run_s=0.05, min_run_s=0.05)
     per_shape = [calls.count(shape) for shape in dict.fromkeys(calls)]
     assert all(c % 2 == 1 for c in per_shape), per_shape  # a warm-up + 2 runs of reps products
-    assert per_shape[0] >= 5, per_shape  # 512^3 takes well under 25 ms: reps >= 2 (a big shape
-    # may take 50 ms alone on a busy core, and then one product is a run)
-    assert one / 3 < repeated < one * 3
+    m, k, n = PEAK_SHAPES["cpu"][0]
+    reps = math.ceil(0.05 / (2 * m * k * n / rate))
+    assert per_shape[0] == 1 + 2 * reps and reps >= 2, per_shape
+    assert one == pytest.approx(rate) and repeated == pytest.approx(rate)
 
 
 def test_emulated_bf16_peak_on_the_avx2_tier_is_measured_and_printed():
