@@ -29,8 +29,8 @@ def test_the_dry_run_trains_each_config_for_its_budget_and_tables_their_summarie
         summary = json.loads((run_dir / "summary.json").read_text())
         assert config["optim"]["name"] == optimizer
         assert config["train"]["time_budget"] == f"{budget:g}s"
-        assert 0 < summary["train_s"] <= budget  # the budget ended the run, not max_steps
-        assert summary["steps"] < config["train"]["max_steps"]
+        assert summary["steps"] < config["train"]["max_steps"]  # the budget ended the run
+        assert budget / 2 < summary["train_s"] < budget * 1.5  # (within a step's time of it)
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells == [
             name,
