@@ -183,8 +183,9 @@ def read_timeline(root: Path) -> dict | None:
     """The timeline the run trains on, from root/timeline.json (None when there is none): {"id",
     "from_step" (the step a resume = STEP started it from; None for a fresh start), "command" (a
     hash of that run's whole config), "training" (a hash of its keys that can change training,
-    config/identity.py; absent in older records), "keys" (those keys; absent in older records), "ancestors" (the timelines it descends from, each with "until":
-    the last of its steps this one continues)}. See retention.py for how it is used."""
+    config/identity.py), "keys" (those keys; "training" and "keys" absent in older records),
+    "ancestors" (the timelines it descends from, each with "until": the last of its steps this
+    one continues)}. See retention.py for how it is used."""
     path = root / TIMELINE
     try:
         t = json.loads(path.read_text())

@@ -31,9 +31,10 @@ SIGINT to the race is passed on to them, STOP_WAIT_S at most).
 The race holds DIR's run-folder lock throughout (a second race into DIR stops with one line).
 A race stopped part-way continues when the same command runs again: a finished run (its
 summary.json written) is not started again, every other run directory resumes through gptrain
-train's own resume; a run ending without its summary.json and without a signal is run once more. At the end: DIR/race.json (every run's curve
-and numbers, each config's statistics, the regime from DIR/unigram.json), DIR/race.png, and the
-markdown table on stdout. The statistics are explained in docs/race.md.
+train's own resume; a run ending without its summary.json and without a signal is run once
+more. At the end: DIR/race.json (every run's curve and numbers, each config's statistics, the
+regime from DIR/unigram.json), DIR/race.png, and the markdown table on stdout. The statistics
+are explained in docs/race.md.
 """
 
 from __future__ import annotations
