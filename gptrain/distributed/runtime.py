@@ -186,6 +186,11 @@ def active() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def world_size() -> int:
+    """Processes in the default group (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     """Mean of `t` over all ranks (in place; identity for world size 1)."""
     if active():

@@ -53,7 +53,7 @@ def linear_cross_entropy(
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_rows)
     loss_sum, n_valid, _, _ = chunked_loss(x, weight, targets, vocab_size, chunk_rows, False)
-    return loss_sum / n_valid
+    return loss_sum / n_valid.clamp_min(1)
 
 
 def full_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
@@ -61,7 +61,8 @@ def full_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, vocab_size: i
     float32: what linear_cross_entropy equals, holding (N, V) logits, their float32 copy and,
     in backward, their gradient. x (N, C), weight (padded V, C), targets (N,) as there."""
     logits = (x @ weight.t())[:, :vocab_size].float()  # (N, V)
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+    loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+    return torch.where((targets != IGNORE_INDEX).any(), loss, 0.0)  # no counted target: 0
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -71,6 +72,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             x, weight, targets, vocab_size, chunk_rows, True
         )
         ctx.weight_dtype = weight.dtype
+        n_valid = n_valid.clamp_min(1)  # no counted target: loss 0, gradients 0
         ctx.save_for_backward(grad_x, grad_w, n_valid)
         return loss_sum / n_valid
 
