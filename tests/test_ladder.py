@@ -206,6 +206,9 @@ def test_a_ladder_race_trains_its_rungs_as_run_directories_and_reports_the_ladde
     race = json.loads((out / "race.json").read_text())
     assert race["ladder"] == {"debug@1": 1.0, "debug@2": 2.0}
     assert [c["label"] for c in race["configs"]] == ["debug@1", "debug@2", "fast"]
+    # in the order they ran: seed by seed, the longest schedule (debug@2's 6 steps) first
+    order = [(r["config"], r["seed"]) for r in race["runs"]]
+    assert order == [(c, s) for s in (1, 2) for c in ("debug@2", "debug@1", "fast")]
     for label, steps, warmup in (("debug@1", 3, 2), ("debug@2", 6, 4)):
         text = (out / label / "seed_2" / "config.toml").read_text()
         assert f"\nmax_steps = {steps}\n" in text and f"\nwarmup_steps = {warmup}\n" in text

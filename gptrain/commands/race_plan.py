@@ -245,8 +245,10 @@ def plan(args: Args) -> Plan:
             argv += [f"--train.seed={seed}", f"--run.dir={run_dir}"]
             jobs.append(Job(label, seed, run_dir, tuple(argv)))
     # seed by seed, every config in turn: a drift of the machine's speed falls on every config
-    # alike, and a race stopped part-way has as many seeds of each
-    jobs.sort(key=lambda j: (j.seed, labels.index(j.label)))
+    # alike, and a race stopped part-way has as many seeds of each; within a seed the longest
+    # schedule first, so that runs side by side (--jobs) end together, not on one slot
+    tokens = {label: cfg.train.max_steps * cfg.train.total_batch_size for label, cfg in zip(labels, cfgs, strict=True)}  # fmt: skip
+    jobs.sort(key=lambda j: (j.seed, -tokens[j.label], labels.index(j.label)))
     texts = {label: to_toml(cfg) for label, cfg in zip(labels, cfgs, strict=True)}
     rungs = None
     if args.ladder:
