@@ -69,7 +69,7 @@ def variant(data_dir: str, steps: int, *overrides: str, marker: str = "") -> dic
 
 def held_between_micro_steps(data_dir: str, reduce: str) -> float:
     """train_step over 2 micro-steps under dist.fsdp_reduce = `reduce`: the elements of .grad
-    this rank holds when the second micro-step fetches its batch, as a share of all parameters."""
+    this rank holds when the second micro-step's forward starts, as a share of all parameters."""
     from gptrain.config.load import load_config
     from gptrain.data.loader import Dataset, TrainLoader
     from gptrain.distributed import runtime as dist
@@ -82,14 +82,17 @@ def held_between_micro_steps(data_dir: str, reduce: str) -> float:
     loader = TrainLoader(dataset, t.seq_len, t.micro_batch_size, info.rank, info.world_size, t.seed)
     model, wrapped, optimizer, _, autocast, scaler = build_training(cfg, info, dataset.vocab_size, t.dtype, False)  # fmt: skip
     full = sum(p.numel() for p in model.parameters())
-    held = []  # at each micro-step's start: the share of .grad elements this rank holds
+    held = []  # at each micro-step's forward: the share of .grad elements this rank holds
 
-    def next_batch():
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sharded = list(model.parameters())  # DTensors: the forward swaps in unsharded ones
+
+    def probe(module, args):
+        grads = [p.grad for p in sharded if p.grad is not None]
         held.append(sum(g.to_local().numel() for g in grads) / full)
-        return loader.next_batch()
 
-    train_step(wrapped, model, optimizer, scaler, next_batch, 2, autocast, 1.0)
+    model.register_forward_pre_hook(probe)
+    train_step(wrapped, model, optimizer, scaler, loader.next_batch, 2, autocast, 1.0)
+    assert len(held) == 2, held
     return held[1]
 
 
