@@ -7,7 +7,8 @@ and llm.c's AdamW baseline, tuned alike, raced on two corpora at two sizes and t
     python benchmarks/study.py report    # each race's table, and where its race.json is
 
 Options: --out DIR (default studies/main), --data DIR (default data/study), --corpora prose,code,
---stages data,tune,race, --cells small-1x,large-1x,small-4x, --seeds 3, --baseline-ladder
+--stages data,tune,race, --tuned FILE (each arm's point from a record such as
+benchmarks/study_tuned.toml instead of the tune stage), --cells small-1x,large-1x,small-4x, --seeds 3, --baseline-ladder
 0.5,1,2, --recipe-ladder 0.125,0.25,0.5,1, --budget 12 (tuning trials per arm), --cap 16, --jobs 2
 (one-thread runs at a time: in tuning, with two corpora the corpora side by side, with one its
 arms; in the races, one cell at a time, its runs side by side, so that no core waits while
@@ -48,6 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study_report  # noqa: E402
 import study_reuse  # noqa: E402
+import study_tuned  # noqa: E402
 import tune  # noqa: E402
 from study_cells import (  # noqa: E402
     ARMS,
@@ -80,7 +82,9 @@ def prepare_data(args) -> None:
 
 
 def tuned(args, corpus: str) -> dict[str, dict[str, float]]:
-    """Each arm's best point from the corpus's finished tuning."""
+    """Each arm's best point from the corpus's finished tuning, or from the --tuned record."""
+    if args.tuned is not None:
+        return study_tuned.points(args.tuned, corpus)
     path = args.out / "tuning" / corpus / "tune.json"
     report = json.loads(path.read_text()) if path.is_file() else {}
     if not report.get("complete"):
@@ -197,6 +201,11 @@ def tune_parallel(args) -> None:
 
 def run(args) -> int:
     stages = args.stages.split(",")
+    if args.tuned is not None and "tune" in stages:
+        for corpus in args.corpora:  # a bad record stops here, before anything runs
+            tuned(args, corpus)
+        print(f"study: each arm's tuned point from {args.tuned}: no tune stage", file=sys.stderr)
+        stages.remove("tune")
     if "data" in stages:
         prepare_data(args)
     if "tune" in stages and args.jobs > 1 and len(args.corpora) > 1:
@@ -265,6 +274,7 @@ def parse_args(argv: list[str]):
     ap.add_argument("--recipe-ladder", default="0.125,0.25,0.5,1", help="the recipe's")
     ap.add_argument("--budget", type=int, default=12, help="tuning trials per arm")
     ap.add_argument("--cap", type=int, default=16, help="extra trials to leave a grid's edge")
+    ap.add_argument("--tuned", type=Path, default=None, help="run: each arm's point from this record (benchmarks/study_tuned.toml), not tuned again")  # fmt: skip
     ap.add_argument("--seconds", type=int, default=15, help="measure: seconds of each run")
     ap.add_argument("--data-dir", default=None, help="measure: a prepared folder to train on")
     args = ap.parse_args(argv)
