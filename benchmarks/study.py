@@ -8,12 +8,12 @@ and llm.c's AdamW baseline, tuned alike, raced on two corpora at two sizes and t
 
 Options: --out DIR (default studies/main), --data DIR (default data/study), --corpora prose,code,
 --stages data,tune,race, --tuned FILE (each arm's point from a record such as
-benchmarks/study_tuned.toml instead of the tune stage), --cells small-1x,large-1x,small-4x, --seeds 3, --baseline-ladder
-0.5,1,2, --recipe-ladder 0.125,0.25,0.5,1, --budget 12 (tuning trials per arm), --cap 16, --jobs 2
-(one-thread runs at a time: in tuning, with two corpora the corpora side by side, with one its
-arms; in the races, one cell at a time, its runs side by side, so that no core waits while
-another corpus's longer cells go on. On 2 cores two one-thread runs of these small models do
-more than one two-thread run).
+benchmarks/study_tuned.toml instead of the tune stage), --cells small-1x,large-1x,small-4x,
+--seeds 3, --baseline-ladder 0.5,1,2, --recipe-ladder 0.125,0.25,0.5,1, --budget 12 (tuning
+trials per arm), --cap 16, --jobs 2 (one-thread runs at a time: in tuning, with two corpora
+the corpora side by side, with one its arms; in the races, one cell at a time, its runs side by
+side, so that no core waits while another corpus's longer cells go on. On 2 cores two one-thread
+runs of these small models do more than one two-thread run).
 
 The cells, in the order they run (cheapest first, so that a study stopped part-way has whole
 cells): for each corpus, the small model at ~20 tokens per parameter in its blocks (compute-
@@ -201,11 +201,11 @@ def tune_parallel(args) -> None:
 
 def run(args) -> int:
     stages = args.stages.split(",")
-    if args.tuned is not None and "tune" in stages:
+    if args.tuned is not None:
         for corpus in args.corpora:  # a bad record stops here, before anything runs
             tuned(args, corpus)
         print(f"study: each arm's tuned point from {args.tuned}: no tune stage", file=sys.stderr)
-        stages.remove("tune")
+        stages = [s for s in stages if s != "tune"]
     if "data" in stages:
         prepare_data(args)
     if "tune" in stages and args.jobs > 1 and len(args.corpora) > 1:

@@ -107,12 +107,13 @@ def test_a_value_off_its_axis_or_an_unknown_key_is_refused(tmp_path, arm, change
     assert f"[prose.{arm}]" in str(e.value) and says in str(e.value)
 
 
-def test_study_run_with_a_bad_record_stops_with_one_line_before_anything_runs(tmp_path):
+@pytest.mark.parametrize("stages", [[], ["--stages", "data,race"]])
+def test_study_run_with_a_bad_record_stops_with_one_line_before_anything_runs(tmp_path, stages):
     path = tmp_path / "tuned.toml"
     path.write_text("[prose.baseline]\nlr = 0.01\n")
     out = tmp_path / "study"
     cmd = [sys.executable, str(REPO / "benchmarks/study.py"), "run", "--corpora", "prose"]
-    cmd += ["--tuned", str(path), "--out", str(out), "--data", str(tmp_path / "data")]
+    cmd += ["--tuned", str(path), "--out", str(out), "--data", str(tmp_path / "data"), *stages]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert (
