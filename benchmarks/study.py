@@ -85,13 +85,7 @@ def tuned(args, corpus: str) -> dict[str, dict[str, float]]:
     """Each arm's best point from the corpus's finished tuning, or from the --tuned record."""
     if args.tuned is not None:
         return study_tuned.points(args.tuned, corpus)
-    path = args.out / "tuning" / corpus / "tune.json"
-    report = json.loads(path.read_text()) if path.is_file() else {}
-    if not report.get("complete"):
-        raise UserError(
-            f"{path}: the tuning of {corpus} has not finished; run the tune stage first"
-        )
-    return {arm: report["arms"][arm]["best"]["point"] for arm in ARMS}
+    return study_tuned.finished(args.out / "tuning" / corpus / "tune.json", corpus)
 
 
 def run_tuning(args, corpus: str) -> None:

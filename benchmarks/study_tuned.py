@@ -61,15 +61,19 @@ def _point(path: Path, corpus: str, arm: str, given) -> dict[str, float]:
     return point
 
 
+def finished(path: Path, corpus: str) -> dict[str, dict[str, float]]:
+    """Each arm's best point from a finished tuning's tune.json (benchmarks/tune.py)."""
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    if not report.get("complete"):
+        raise UserError(f"{path}: the tuning of {corpus} has not finished; run the tune stage first")  # fmt: skip
+    return {arm: report["arms"][arm]["best"]["point"] for arm in ARMS}
+
+
 def record(tunings: dict[str, Path]) -> str:
     """The TOML record of finished tunings (corpus -> its tune.json), every value exact."""
     out = []
     for corpus, path in tunings.items():
-        report = json.loads(path.read_text()) if path.is_file() else {}
-        if not report.get("complete"):
-            raise UserError(f"{path}: the tuning of {corpus} has not finished; run the tune stage first")  # fmt: skip
-        for arm in ARMS:
-            point = report["arms"][arm]["best"]["point"]
+        for arm, point in finished(path, corpus).items():
             out.append(f"[{corpus}.{arm}]\n" + "".join(f"{k} = {v!r}\n" for k, v in point.items()))
     return "\n".join(out)
 
