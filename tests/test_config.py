@@ -120,11 +120,59 @@ def test_each_section_checks_its_own_values(section, bad, needle):
         load_config(None, [f"{name}.{key}={value}"])
 
 
-def test_model_bias_false_is_refused_with_pretrained_weights():
-    """GPT-2's weights have biases: a model without them could not load them."""
-    with pytest.raises(UserError, match=r"model\.bias = false") as e:
-        load_config(None, ["model.init_from=/some/gpt2", "model.bias=false"])
-    assert "\n" not in str(e.value) and "--model.bias=false" in str(e.value)
+def test_model_arch_choices_are_the_models():
+    """model.arch's choices are the blocks gptrain/model/arch.py builds."""
+    from dataclasses import fields
+
+    from gptrain.model.arch import ARCHS
+
+    arch = next(f for f in fields(ModelConfig) if f.name == "arch")
+    assert arch.metadata["choices"] == ARCHS and ModelConfig().arch == "gpt2"
+
+
+def test_nanochat_keys_load_and_round_trip(tmp_path):
+    """A plain --model.arch=nanochat loads (the gpt2-only keys' defaults are no refusal); its
+    own keys are set, and the resolved config, which leaves the other block's keys out, loads
+    back equal (also as a gpt2 config)."""
+    cfg = load_config(None, ["model.arch=nanochat"])
+    assert (cfg.model.n_kv_head, cfg.model.mlp_hidden, cfg.model.softcap) == (0, 0, 15.0)
+    args = ["model.arch=nanochat", "model.n_kv_head=2", "model.mlp_hidden=96", "model.softcap=0"]
+    cfg = load_config(None, args)
+    assert (cfg.model.n_kv_head, cfg.model.mlp_hidden, cfg.model.softcap) == (2, 96, 0.0)
+    for c in (cfg, load_config()):
+        text = to_toml(c)
+        model = tomllib.loads(text)["model"]
+        assert ("softcap" in model) == (c.model.arch == "nanochat") != ("gelu" in model)
+        assert load_config(write(tmp_path, text)) == c
+
+
+@pytest.mark.parametrize(
+    "text, overrides, needle",
+    [
+        ("", ["model.arch=nanochat", "model.bias=true"], "model.bias is a setting of the gpt2"),
+        ("[model]\narch = 'nanochat'\ngelu = 'erf'\n", [], "model.gelu is a setting of the gpt2"),
+        ("", ["model.softcap=10"], "model.softcap is a setting of the nanochat"),
+        ("[model]\nn_kv_head = 2\n", [], "model.n_kv_head is a setting of the nanochat"),
+        ("", ["model.mlp_hidden=64"], "model.mlp_hidden is a setting of the nanochat"),
+        ("", ["model.arch=nanochat", "model.n_embd=96", "model.n_head=32"], "is odd"),
+        ("", ["model.arch=nanochat", "model.n_kv_head=3"], "model.n_kv_head = 3 does not divide"),
+        ("", ["model.arch=nanochat", "model.softcap=-1"], "model.softcap = -1.0 must be >= 0"),
+        ("", ["model.arch=nanochat", "model.preset=gpt2"], "model.preset = 'gpt2' names a GPT-2"),
+        ("", ["model.arch=llama"], "model.arch = 'llama'; allowed: gpt2, nanochat"),
+    ],
+)
+def test_model_arch_refusals_are_one_line_exit_2(tmp_path, capsys, text, overrides, needle):
+    """A key of the other block set explicitly, an odd head size, n_kv_head not dividing n_head,
+    a negative softcap, a GPT-2 preset with nanochat: one line naming the key, exit 2, no run
+    folder."""
+    with pytest.raises(UserError) as e:
+        load_config(write(tmp_path, text) if text else None, overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    run = tmp_path / "run"
+    file = ["--config", write(tmp_path, text)] if text else []
+    assert cli(["train", *file, f"--run.dir={run}", *(f"--{o}" for o in overrides)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and not run.exists()
 
 
 def test_cross_section_checks_belong_to_config():
@@ -178,6 +226,8 @@ def test_presets_load_and_help_documents_every_key():
     for section in ("model", "data", "train", "eval", "checkpoint", "log", "dist", "run"):
         for key in tomllib.loads(to_toml(Config()))[section]:
             assert f"--{section}.{key} " in text
+    for key in ("arch", "n_kv_head", "mlp_hidden", "softcap"):
+        assert f"--model.{key} " in text
 
 
 def test_cli_bad_input_is_one_line_exit_2(capsys):

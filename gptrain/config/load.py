@@ -19,6 +19,8 @@ from pathlib import Path
 
 from gptrain.config.fields import check, check_choices
 from gptrain.config.sections import (
+    GPT2_ONLY,
+    NANOCHAT_ONLY,
     CheckpointConfig,
     DataConfig,
     DistConfig,
@@ -200,7 +202,23 @@ def load_config_text(
         _apply(values, key.strip(), raw.strip(), from_cli=True)
     cfg = Config(**{s: type(SECTIONS[s]())(**values[s]) for s in SECTIONS})
     cfg.check()  # sections.py: values wrong on their own (each section) or together (Config)
+    check_arch_keys(cfg.model.arch, values["model"])
     return cfg
+
+
+def other_arch_keys(arch: str) -> tuple[str, ...]:
+    """The [model] keys that the other block has and `arch` has not."""
+    return NANOCHAT_ONLY if arch == "gpt2" else GPT2_ONLY
+
+
+def check_arch_keys(arch: str, given: dict) -> None:
+    """A key of the other block, set in the file or on the command line (`given`: the [model]
+    keys set there; a default is never a refusal), is refused."""
+    for key in other_arch_keys(arch):
+        check(
+            key not in given,
+            f"model.{key} is a setting of the {'nanochat' if arch == 'gpt2' else 'gpt2'} block, but model.arch = {arch!r}; drop model.{key} or set model.arch",
+        )
 
 
 def resolved_again(text: str) -> str | None:
@@ -213,7 +231,9 @@ def resolved_again(text: str) -> str | None:
 
 
 def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML (saved as run.dir/config.toml; loadable with --config)."""
+    """The resolved config as TOML (saved as run.dir/config.toml; loadable with --config). The
+    [model] keys of the other block are left out: they do not apply, and loading them back would
+    refuse them (check_arch_keys)."""
 
     def fmt(v) -> str:
         if isinstance(v, bool):
@@ -226,6 +246,7 @@ def to_toml(cfg: Config) -> str:
     for section in SECTIONS:
         lines.append(f"[{section}]")
         items = dataclasses.asdict(getattr(cfg, section)).items()
-        lines += [f"{key_name(k)} = {fmt(v)}" for k, v in items]
+        skip = other_arch_keys(cfg.model.arch) if section == "model" else ()
+        lines += [f"{key_name(k)} = {fmt(v)}" for k, v in items if k not in skip]
         lines.append("")
     return "\n".join(lines)

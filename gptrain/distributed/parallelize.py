@@ -61,16 +61,17 @@ def wrap_model(
        and before `fully_shard`: FSDP2's hooks are `torch._dynamo.disable`d, so they run eagerly
        around the compiled block (tested: no recompiles after the first step).
     3. world size 1: nothing more. ddp: DistributedDataParallel. fsdp: FSDP2 `fully_shard` on every
-       block, then on the root (embeddings, final LayerNorm, tied head). With bf16 the blocks
-       all-gather and compute with bf16 parameters; the root keeps float32 parameters; and the
-       caller runs forward under the same autocast as DDP. So the residual stream, LayerNorms,
-       logits and loss stay float32 as under DDP + autocast, and matmuls see the same
-       bf16-rounded weights. Gradients are reduced in float32. LayerNorms: CUDA's autocast runs
-       layer_norm in float32, casting the bf16-gathered weights up (their master copies stay
-       float32). CPU autocast does not, and refuses bf16 LayerNorm parameters with a float32
-       input, so on the CPU each block's LayerNorms get a float32 group of their own; that
-       group's hooks sit inside the compiled block and break its graph (with activation
-       checkpointing, the whole block then runs eagerly), which is why CUDA does without it.
+       block, then on the root (embeddings, final norm, the output head, tied or untied). With
+       bf16 the blocks all-gather and compute with bf16 parameters; the root keeps float32
+       parameters; and the caller runs forward under the same autocast as DDP. So the residual
+       stream, LayerNorms, logits and loss stay float32 as under DDP + autocast, and matmuls see
+       the same bf16-rounded weights. Gradients are reduced in float32. LayerNorms: CUDA's
+       autocast runs layer_norm in float32, casting the bf16-gathered weights up (their master
+       copies stay float32). CPU autocast does not, and refuses bf16 LayerNorm parameters with a
+       float32 input, so on the CPU each block's LayerNorms (where it has any: nanochat's RMSNorm
+       has no weights) get a float32 group of their own; that group's hooks sit inside the
+       compiled block and break its graph (with activation checkpointing, the whole block then
+       runs eagerly), which is why CUDA does without it.
 
     The model may be on the `meta` device under FSDP (see build.py: `to_empty` + init after this).
     The returned module is what the training loop calls; save the original `model` (its keys are
@@ -78,7 +79,7 @@ def wrap_model(
     """
     if float8:
         convert_float8(model, float8)
-    blocks = list(model.transformer.h)
+    blocks = model.blocks()
     if activation_checkpointing == "blocks":
         for block in blocks:
             checkpoint_forward(block)
@@ -128,13 +129,17 @@ def _fully_shard(model, blocks, cfg: DistConfig, info: DistInfo, compile: bool, 
 
 def float8_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
     """The Linear layers float8 training may convert, {name: (in_features, out_features)}: those
-    inside the transformer blocks whose two dimensions are multiples of 16 (FP8 matmuls need it).
-    The embeddings and the tied output head (computed by model/losses.py) stay as they are."""
+    inside the transformer blocks (model.blocks(): GPT-2's c_attn, c_proj, c_fc; nanochat's c_q,
+    c_k, c_v, c_proj, c_fc) whose two dimensions are multiples of 16 (FP8 matmuls need it). The
+    embeddings and the output head, tied or not (computed by model/losses.py), stay as they are."""
+    in_blocks = {id(m) for block in model.blocks() for m in block.modules()}
     return {
-        f"transformer.h.{i}.{name}": (m.in_features, m.out_features)
-        for i, block in enumerate(model.transformer.h)
-        for name, m in block.named_modules()
-        if isinstance(m, nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+        name: (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if id(m) in in_blocks
+        and isinstance(m, nn.Linear)
+        and m.in_features % 16 == 0
+        and m.out_features % 16 == 0
     }
 
 

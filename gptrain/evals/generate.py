@@ -12,7 +12,6 @@ import torch.nn as nn
 
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.errors import UserError
-from gptrain.model.gpt import GPT, GPTConfig
 
 
 def _generation_module(model: nn.Module) -> nn.Module:
@@ -67,9 +66,13 @@ def generate_text(
     return [tokenizer.decode(row[len(ids) :].tolist()) for row in out]
 
 
-def load_model(run_dir, step: int | None = None, device="cpu") -> tuple[GPT, object, dict]:
-    """(model in eval mode on `device`, its tokenizer, checkpoint meta) of a run's checkpoint."""
+def load_model(run_dir, step: int | None = None, device="cpu") -> tuple[nn.Module, object, dict]:
+    """(model in eval mode on `device`, its tokenizer, checkpoint meta) of a run's checkpoint: the
+    block its meta.json names (gptrain/model/arch.py; none named: gpt2). Weights tied in the
+    model's own construction (GPT-2's head and wte) are tied again after the load; an untied
+    head (nanochat's) keeps its own."""
     from gptrain.data.tokenizers import load_tokenizer
+    from gptrain.model.arch import build, config_from_dict
 
     if not Path(run_dir).is_dir():
         raise UserError(f"run directory {run_dir} does not exist; pass --run with a trained run")
@@ -77,7 +80,12 @@ def load_model(run_dir, step: int | None = None, device="cpu") -> tuple[GPT, obj
     state, meta = checkpoint.load_model_state(folder)
     if "model" not in meta or "tokenizer" not in meta:
         raise UserError(f"{folder}/meta.json lacks the model config or tokenizer identity")
-    config = GPTConfig(**meta["model"])
+    try:
+        config = config_from_dict(meta["model"])
+    except (TypeError, ValueError) as e:
+        raise UserError(
+            f"{folder}/meta.json has a model config this gptrain cannot build: {e}"
+        ) from None
     identity = dict(meta["tokenizer"])
     if (folder / checkpoint.TOKENIZER_FILE).is_file():  # a trained BPE travels with the weights
         identity["path"] = str(folder / checkpoint.TOKENIZER_FILE)
@@ -86,13 +94,16 @@ def load_model(run_dir, step: int | None = None, device="cpu") -> tuple[GPT, obj
         raise UserError(
             f"tokenizer vocab {tokenizer.vocab_size} != model vocab {config.vocab_size} in {folder}"
         )
-    # lm_head.weight is tied to transformer.wte.weight; a checkpoint may store it once
-    state.setdefault("lm_head.weight", state.get("transformer.wte.weight"))
     with torch.device("meta"):  # no random init: the weights come from the checkpoint
-        model = GPT(config)
+        model = build(config)
+    aliases = checkpoint.shared_parameters(model)  # {alias: source}: tied in construction
+    for alias, source in aliases.items():  # a checkpoint may store a tied weight once
+        state.setdefault(alias, state.get(source))
     try:
         model.load_state_dict(state, assign=True)
     except RuntimeError as e:
         raise UserError(f"checkpoint {folder} does not match its model config: {e}") from None
-    model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced both: re-tie
+    for alias, source in aliases.items():  # assign=True replaced both: tie again
+        owner, _, name = alias.rpartition(".")
+        setattr(model.get_submodule(owner), name, model.get_parameter(source))
     return model.to(device).eval(), tokenizer, meta

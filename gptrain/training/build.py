@@ -5,6 +5,7 @@ parallel wrapping, the optimizer and the precision. Shared by `gptrain train` an
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,6 +64,10 @@ def _pretrained(cfg: Config, vocab_size: int):
     m = cfg.model
     model = load_hf_folder(m.init_from, dropout=m.dropout)
     c = model.config
+    if getattr(c, "bias", None) is True and not m.bias:
+        raise UserError(
+            f"model.init_from = {m.init_from!r} loads GPT-2 weights, which have biases, but model.bias = false; drop --model.bias=false"
+        )
     if c.vocab_size != vocab_size or c.block_size < cfg.train.seq_len:
         raise UserError(
             f"model.init_from = {m.init_from!r} has vocab {c.vocab_size} and context {c.block_size}, but the data's tokenizer has vocab {vocab_size} and train.seq_len = {cfg.train.seq_len}; "
@@ -71,38 +76,57 @@ def _pretrained(cfg: Config, vocab_size: int):
     return model
 
 
-def _random(cfg: Config, vocab_size: int, saved_arch: dict | None):
-    from gptrain.model.gpt import GPT, PRESETS, GPTConfig
+def model_config_dict(cfg: Config, vocab_size: int) -> dict:
+    """The [model] section as a model config dict (gptrain/model/arch.py config_from_dict): the
+    block's own keys only."""
+    from gptrain.model.gpt import PRESETS
 
     m = cfg.model
-    if m.init_from:  # resuming a run that started from pretrained weights: the checkpoint has them
-        return GPT(GPTConfig(**{**saved_arch, "dropout": m.dropout}))
     if m.preset and m.preset not in PRESETS:
         raise UserError(f"model.preset = {m.preset!r}; allowed: {', '.join(PRESETS)} or empty")
-    arch = (
+    shape = (
         PRESETS[m.preset]
         if m.preset
         else {"n_layer": m.n_layer, "n_head": m.n_head, "n_embd": m.n_embd}
     )
-    return GPT(
-        GPTConfig(
-            vocab_size=vocab_size,
-            block_size=m.block_size or cfg.train.seq_len,
-            dropout=m.dropout,
-            gelu=m.gelu,
-            bias=m.bias,
-            **arch,
-        )
-    )
+    common = dict(vocab_size=vocab_size, block_size=m.block_size or cfg.train.seq_len)
+    if m.arch == "gpt2":
+        return {
+            "arch": "gpt2",
+            **common,
+            **shape,
+            "dropout": m.dropout,
+            "gelu": m.gelu,
+            "bias": m.bias,
+        }
+    own = {"n_kv_head": m.n_kv_head, "mlp_hidden": m.mlp_hidden, "softcap": m.softcap}
+    return {"arch": m.arch, **common, **shape, **own, "dropout": m.dropout}
 
 
-def check_saved_arch(config, saved_arch: dict | None) -> None:
-    """A UserError where the checkpoint being resumed has another GELU (no tensor shape would catch
-    it) or another bias setting (its tensors would not load) than the config asks for."""
+def _random(cfg: Config, vocab_size: int, saved_arch: dict | None):
+    from gptrain.model.arch import build, config_from_dict
+
+    m = cfg.model
+    if m.init_from:  # resuming a run that started from pretrained weights: the checkpoint has them
+        return build(config_from_dict({**saved_arch, "dropout": m.dropout}))
+    return build(config_from_dict(model_config_dict(cfg, vocab_size)))
+
+
+def check_saved_arch(model, saved_arch: dict | None) -> None:
+    """A UserError where the checkpoint being resumed holds another block (model.arch), or has
+    another GELU (no tensor shape would catch it) or another bias setting (its tensors would not
+    load) than the config asks for. Checkpoints without "arch" hold the gpt2 block."""
     if saved_arch is None:
         return
+    saved, now = saved_arch.get("arch", "gpt2"), getattr(model, "arch", "gpt2")
+    if saved != now:
+        raise UserError(
+            f"model.arch = {now!r} but the checkpoint being resumed holds the {saved!r} block; set --model.arch={saved} or use a new run.dir"
+        )
+    if now != "gpt2":
+        return
     for key, before in (("gelu", "tanh"), ("bias", True)):  # checkpoints from before the key
-        saved, now = saved_arch.get(key, before), getattr(config, key)
+        saved, now = saved_arch.get(key, before), getattr(model.config, key)
         if saved != now:
             value = str(saved).lower() if isinstance(saved, bool) else saved
             raise UserError(
@@ -147,7 +171,7 @@ def build_training(
     # pretrained weights (not resuming) are loaded whole on every rank, then sharded
     on_meta = fsdp and not (cfg.model.init_from and saved_arch is None)
     model = build_model(cfg, vocab_size, saved_arch, meta=on_meta)
-    check_saved_arch(model.config, saved_arch)
+    check_saved_arch(model, saved_arch)
     if not on_meta:
         model = model.to(info.device)
     if info.device_type == "cpu":  # before the timings, so that they see the training's allocator:
@@ -204,10 +228,11 @@ def speed_choices(
     muon = o.name == "muon"
     matrices = {tuple(p.shape) for p in muon_split(model, 0.0)[0]} if muon else set()
     mb = mb or batch.plan(t, info.world_size)[0]  # what a CPU uses, a GPU tries first
-    arch = (c.n_layer, c.n_embd, c.n_head, c.gelu, c.bias, tuple(sorted(matrices)))
     vocab = {"vocab": c.vocab_size, "padded_vocab": c.padded_vocab_size}
     linears = tuple(sorted(set(parallelize.float8_layers(model).values())))
-    shapes = Shapes(mb, t.seq_len, *arch, o.muon_ns_steps, **vocab, linears=linears)
+    mat, key = tuple(sorted(matrices)), block_key(model)
+    shapes = ModelShapes(mb, t.seq_len, c.n_layer, c.n_embd, c.n_head, *key, mat, o.muon_ns_steps)
+    shapes = replace(shapes, **vocab, linears=linears, model=timed_block_config(model))
     muon_dtype = o.muon_dtype if muon else None
     asked = {"dtype": dtype, "attention": t.attention, "muon_dtype": muon_dtype, "loss": t.loss}
     asked["float8"] = t.float8
@@ -236,6 +261,31 @@ def speed_choices(
         out.muon_split, out.how["muon_split"], out.split_ms = split
         out.seconds += time.perf_counter() - start
     return out
+
+
+@dataclass(frozen=True)
+class ModelShapes(Shapes):
+    """choices.Shapes with the model's own config (gptrain/model/arch.py config_to_dict, as
+    (key, value) pairs), from which training/timing.py builds the block it times."""
+
+    model: tuple = ()
+
+
+def block_key(model) -> tuple[str, bool]:
+    """The (gelu, bias) slots of choices.Shapes, which key the block's cached timings: GPT-2's
+    own values, as ever; for another block its arch and config.shape_key(), so that no two blocks
+    share a timing."""
+    c = model.config
+    if model.arch == "gpt2":
+        return c.gelu, c.bias
+    return " ".join(str(v) for v in (model.arch, *c.shape_key())), False
+
+
+def timed_block_config(model) -> tuple:
+    """The model's config as (key, value) pairs (ModelShapes.model)."""
+    from gptrain.model.arch import config_to_dict
+
+    return tuple(sorted(config_to_dict(model.config).items()))
 
 
 def attention_kernel(choice: str, measured: str) -> str:

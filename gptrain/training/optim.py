@@ -36,9 +36,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def muon_split(model: nn.Module, weight_decay: float) -> tuple[list, list[dict]]:
-    """(Muon parameters, AdamW groups): the 2-D weights inside the transformer blocks go to Muon;
-    embeddings (wte, tied to lm_head), wpe, biases and LayerNorms stay with AdamW."""
-    in_blocks = {id(p) for p in model.transformer.h.parameters()}
+    """(Muon parameters, AdamW groups): the 2-D weights inside the transformer blocks
+    (model.blocks()) go to Muon; the rest stays with AdamW: the embeddings (wte, and wpe where
+    there is one), the output head (tied to wte, or untied: nanochat's lm_head, never Muon),
+    biases and norm weights. The no-decay group is empty where there are no 1-D parameters."""
+    in_blocks = {id(p) for block in model.blocks() for p in block.parameters()}
     muon, rest = [], []
     for p in model.parameters():
         if p.requires_grad:

@@ -43,6 +43,7 @@ from gptrain.logs.loggers import (
     scorecard_metrics,
 )
 from gptrain.logs.mfu import format_duration, format_flops, synchronize
+from gptrain.model.arch import config_to_dict
 from gptrain.training import batch
 from gptrain.training.build import build_training
 from gptrain.training.choices import Choices
@@ -240,7 +241,7 @@ def _build(
     state = TrainState(nonfinite, Spikes(t.spike, t.spike_z, t.spike_window), scaler)
     tokenizer = dataset.tokenizer
     meta = {  # what every checkpoint's meta.json records besides the counters
-        "model": asdict(model.config),
+        "model": config_to_dict(model.config),  # with its "arch" (none: gpt2)
         "tokenizer": tokenizer.identity(),
         "data_dir": str(dataset.data_dir),
         "micro_batch_size": mb,

@@ -46,7 +46,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 LOCKSTEP_RUNS = 3  # timed runs of each candidate that communicates (Lockstep)
 CROWDED = 0.5  # cores other processes may take from this one's threads while it times
 # the workloads below take `s`, the run's choices.Shapes (micro_batch, seq_len, n_embd, n_head,
-# gelu, bias, muon matrix shapes, ns_steps)
+# gelu, bias, muon matrix shapes, ns_steps), with the model's own config where build.py gives it
 
 
 # Raised when a timed kernel changes, so that timings of the old one are measured again
@@ -299,9 +299,21 @@ def crowding_since(start: tuple | None) -> float:
     return max(0.0, (busy - own - ticks) / max(wall, 1e-6) - spare)
 
 
+def timed_model(s) -> torch.nn.Module:
+    """A one-block model of the run's block on `meta`: s.model (build.ModelShapes: the run's own
+    model config) at one layer, or a GPT-2 block of s.gelu and s.bias for plain choices.Shapes."""
+    from gptrain.model.arch import build, config_from_dict
+
+    own = dict(getattr(s, "model", ()) or {"arch": "gpt2", "gelu": s.gelu, "bias": s.bias})
+    shape = dict(n_layer=1, n_head=s.n_head, n_embd=s.n_embd, block_size=s.seq_len, dropout=0.0)
+    with torch.device("meta"):
+        return build(config_from_dict({**own, "vocab_size": 64, **shape}))
+
+
 def block_flops(s) -> float:
-    """Forward + backward FLOPs of one block for one sequence: 3x the forward's matmuls."""
-    return 3 * s.seq_len * (24 * s.n_embd**2 + 4 * s.seq_len * s.n_embd)
+    """Forward + backward FLOPs of one block for one sequence: the block's own count
+    (block_flops per token, 3x the forward's matmuls) times s.seq_len."""
+    return s.seq_len * timed_model(s).block_flops(s.seq_len)
 
 
 def _generator(device: str) -> torch.Generator:
@@ -341,29 +353,18 @@ def muon_step_run(matrices: list, steps: int, dtype: str, split: bool):
 
 def block_run(device: str, s, n: int, combo: str):
     """The run of one transformer block's forward + backward on `n` sequences under the autocast
-    of combo's dtype, with its attention kernel (combo: "bfloat16/matmul")."""
-    from gptrain.model.gpt import Block, GPTConfig
-
+    of combo's dtype, with its attention kernel (combo: "bfloat16/matmul"): the block of the
+    run's own model class (timed_model); its 1-D weights (norms) 1, the rest N(0, 0.02)."""
     dtype, kernel = combo.split("/")
-    cfg = GPTConfig(
-        vocab_size=64,
-        block_size=s.seq_len,
-        n_layer=1,
-        n_head=s.n_head,
-        n_embd=s.n_embd,
-        dropout=0.0,
-        bias=s.bias,
-        gelu=s.gelu,
-    )
-    with torch.device("meta"):
-        block = Block(cfg)
+    model = timed_model(s)
+    model.set_attention(kernel)
+    block = model.blocks()[0]
     block.to_empty(device=device)
     gen = _generator(device)
     with torch.no_grad():
         for name, p in block.named_parameters():
-            ln_weight = name.startswith("ln_") and name.endswith("weight")
-            p.normal_(1.0 if ln_weight else 0.0, 0.02, generator=gen)
-    block.attn.impl = kernel
+            norm_weight = p.dim() == 1 and name.endswith("weight")
+            p.normal_(1.0 if norm_weight else 0.0, 0.02, generator=gen)
     x = torch.randn(n, s.seq_len, s.n_embd, device=device, generator=gen, requires_grad=True)
     autocast, _ = mixed_precision(DTYPES[dtype], torch.device(device).type)
 
