@@ -6,6 +6,10 @@ rows and, when gradients are needed, computes each chunk's input and weight grad
 backward. Same value and gradients as the plain computation, same FLOPs. `full_cross_entropy` is
 the plain computation: the full logits, then F.cross_entropy (under torch.compile, fused by it);
 faster where its memory is at hand (the choice: train.loss). Imports only torch.
+
+`softcap` c > 0 (NanoChat) caps the float32 logits as c * tanh(logits / c) before the
+cross-entropy, and only then are the padded columns masked to -inf (masked first, they would
+become -c and get probability). 0: no cap, the computation untouched.
 """
 
 from __future__ import annotations
@@ -39,37 +43,49 @@ def chunk_rows(
 
 
 def linear_cross_entropy(
-    x: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, chunk_rows: int
+    x: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    vocab_size: int,
+    chunk_rows: int,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Mean cross-entropy of the logits x @ weight.T (only the first vocab_size columns), in
     float32, without ever holding more than chunk_rows rows of logits.
 
     x (N, C), weight (padded V, C), targets (N,) int64 with IGNORE_INDEX for ignored rows. Equal
     in value and gradients to `F.cross_entropy((x @ weight.T)[:, :vocab_size].float(), targets,
-    ignore_index=-1)` (the matmuls in the same dtype, e.g. bf16 under autocast). With gradients
+    ignore_index=-1)` (the matmuls in the same dtype, e.g. bf16 under autocast; the softcap, when
+    given, applied to those float32 logits). With gradients
     enabled the chunks' gradients are computed in forward (Liger-kernel style), so backward only
     rescales them: no recomputation, no logits kept for backward.
     """
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_rows)
-    loss_sum, n_valid, _, _ = chunked_loss(x, weight, targets, vocab_size, chunk_rows, False)
+        return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_rows, softcap)
+    loss_sum, n_valid, _, _ = chunked_loss(
+        x, weight, targets, vocab_size, chunk_rows, False, softcap=softcap
+    )
     return loss_sum / n_valid.clamp_min(1)
 
 
-def full_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
+def full_cross_entropy(
+    x: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, softcap: float = 0.0
+) -> Tensor:
     """Mean cross-entropy of the full logits x @ weight.T (the first vocab_size columns), in
     float32: what linear_cross_entropy equals, holding (N, V) logits, their float32 copy and,
     in backward, their gradient. x (N, C), weight (padded V, C), targets (N,) as there."""
     logits = (x @ weight.t())[:, :vocab_size].float()  # (N, V)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
     return torch.where((targets != IGNORE_INDEX).any(), loss, 0.0)  # no counted target: 0
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, vocab_size, chunk_rows):
+    def forward(ctx, x, weight, targets, vocab_size, chunk_rows, softcap):
         loss_sum, n_valid, grad_x, grad_w = chunked_loss(
-            x, weight, targets, vocab_size, chunk_rows, True
+            x, weight, targets, vocab_size, chunk_rows, True, softcap=softcap
         )
         ctx.weight_dtype = weight.dtype
         n_valid = n_valid.clamp_min(1)  # no counted target: loss 0, gradients 0
@@ -86,16 +102,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads, row_losses=None):
+def chunked_loss(
+    x, weight, targets, vocab_size, chunk_rows, with_grads, row_losses=None, softcap=0.0
+):
     """(sum of the per-row losses, number of counted rows, d sum/dx, d sum/dweight) chunk by chunk;
     with `row_losses` (N,), each row's loss is also written there (0 for ignored rows).
 
     The gradients are of the loss SUM (softmax - one-hot, without the 1/N of the mean): their
     matmul inputs are in [-1, 1], not [-1/N, 1/N], so float16 (which has no GradScaler factor
     here) keeps them as well as it keeps the plain path's scaled gradients; the caller scales.
+    With a softcap the logits are capped in float32 before the padded columns are masked, and
+    the gradient takes the cap's derivative 1 - tanh^2 (kept from before the masking: a second
+    chunk-sized buffer, only then).
     """
     N, padded_vocab = x.size(0), weight.size(0)
     acc = torch.promote_types(weight.dtype, torch.float32)  # float32 (float64 stays float64)
@@ -108,6 +130,11 @@ def chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads, row_los
         rows = slice(start, start + chunk_rows)
         x_c, t_c, keep = x[rows], targets[rows], keep_all[rows]  # (n, C), (n,), (n,)
         logits = (x_c @ weight.t()).to(acc)  # (n, padded V)
+        dcap = None
+        if softcap:
+            tanh = logits.div_(softcap).tanh_()  # in place: (n, padded V)
+            logits = tanh * softcap
+            dcap = tanh.square_().neg_().add_(1.0) if with_grads else None  # 1 - tanh^2
         if padded_vocab > vocab_size:
             logits[:, vocab_size:] = float("-inf")  # padded ids: probability 0
         safe = torch.where(keep, t_c, 0)  # ignored rows read column 0 (then masked); ids >= V raise
@@ -121,6 +148,8 @@ def chunked_loss(x, weight, targets, vocab_size, chunk_rows, with_grads, row_los
             grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: (n, padded V)
             grad.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))
             grad.mul_(keep[:, None])  # ignored rows contribute nothing
+            if dcap is not None:
+                grad.mul_(dcap)  # through the cap (padded columns: 0 * finite)
             grad = grad.to(weight.dtype)
             grad_x[rows] = grad @ weight  # (n, C)
             grad_w += grad.t() @ x_c  # (padded V, C), accumulated in float32
