@@ -1,7 +1,7 @@
 """train.time_budget: the lr schedule, warmup included, follows training time (against the schedule
 computed by hand), and steps when max_steps comes first; the run stops inside the budget with its
 final evaluation and checkpoint; a budget run killed and resumed ends where the uninterrupted one
-does (bit for bit, with a clock that makes every step take 1 s); under DDP the ranks read one
+does (bit for bit, with a clock that makes every step take 1 s), compiled or not; under DDP the ranks read one
 agreed clock; a budget under 1 s, or another budget than the checkpoint's on resume, is one line,
 exit 2, nothing written."""
 
@@ -115,26 +115,47 @@ def test_max_steps_before_the_budget_ends_the_schedule_with_the_steps(
         assert (line in (tmp_path / budget / "train.log").read_text()) == warned, budget
 
 
+# micro-batches of 4 x 64 and one thread, as tests/test_train.py's compiled run: inductor's code
+# names its thread count, so with both the same the graphs come from inductor's cache
+COMPILED = ["train.compile=true", "train.micro_batch_size=4"]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_budget_run_killed_and_resumed_ends_where_the_uninterrupted_one_does(
-    byte_data, tmp_path, monkeypatch
+    byte_data, tmp_path, monkeypatch, compiled
 ):
+    """Killed after step 2 (the later checkpoints gone) and resumed in a new attempt, whose first
+    step compiles under train.compile: the same steps, lrs and weights, bit for bit; and the
+    compiled run reads the schedule at the points the eager one does (every step counts)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if compiled else threads)
+    common = [*COMMON, *(COMPILED if compiled else [])]
     monkeypatch.setattr(state_module, "clock", StepClock())
     full, cut = tmp_path / "full", tmp_path / "cut"
-    run(byte_data, full, *COMMON)
-    shutil.copytree(full, cut)
-    for later in (4, 6):
-        shutil.rmtree(cut / "checkpoints" / f"step_{later:08d}")
-    (cut / "checkpoints" / "latest").write_text("step_00000002\n")
-    monkeypatch.setattr(state_module, "clock", StepClock())  # a new process: a new clock
-    assert run(byte_data, cut, *COMMON)["steps"] == 6
+    try:
+        assert run(byte_data, full, *common)["steps"] == 6
+        shutil.copytree(full, cut)
+        for later in (4, 6):
+            shutil.rmtree(cut / "checkpoints" / f"step_{later:08d}")
+        (cut / "checkpoints" / "latest").write_text("step_00000002\n")
+        monkeypatch.setattr(state_module, "clock", StepClock())  # a new process: a new clock
+        assert run(byte_data, cut, *common)["steps"] == 6
+    finally:
+        torch.set_num_threads(threads)
     a, b = weights(full), weights(cut)
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert lrs(cut) == lrs(full)
+    for k, lr in lrs(full).items():  # step k at the point k - 1 of 6 s reach, compiled or not,
+        # except that a compiled run's step 2 is read at 1 step: the compiling step 1 counts as
+        # long as step 2, unknown before step 2 ends
+        x = 1 if compiled and k == 2 else (k - 1) / 6 * 100
+        assert lr == pytest.approx(by_hand(x, 3e-3, 3e-4, 2, 100), rel=1e-12), k
     saved = checkpoint.load_state(checkpoint.find(cut))["train_state"]
     assert saved["train_s"] == pytest.approx(6.0)
-    assert run(byte_data, cut, *COMMON)["steps"] == 6  # the budget is spent: nothing more
-    assert "already trained to step 6" in (cut / "train.log").read_text()
+    if not compiled:
+        assert run(byte_data, cut, *common)["steps"] == 6  # the budget is spent: nothing more
+        assert "already trained to step 6" in (cut / "train.log").read_text()
 
 
 @pytest.mark.parametrize("bad", ["10", "ten minutes", "-5m", "0s", "1e-9s", "0.5s", "0.01m"])

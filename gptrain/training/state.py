@@ -11,6 +11,13 @@ adds this rank's step time to the agreed total, and `agree` (one small all-reduc
 boundary makes anyway, with the stop flags) replaces it by the maximum over the ranks, so the lr
 schedule of the next step and the stop decision read the same number on every rank.
 
+Every step counts, the first step of every attempt the same way: under torch.compile an
+attempt's first step compiles, so its own time is not training time and it counts as long as the
+step before it (restored from the checkpoint by a resume); the run's first step, with no step
+before it, counts as long as the next one (it is added with that one, and a checkpoint written
+between them carries it as `owed_steps`). So a run killed and resumed reads the lr schedule at the
+points the uninterrupted run does, given the same step times (tests/test_time_budget.py).
+
 Its keys are the checkpoint's `train_state` entries; a checkpoint that lacks one of them (written
 before it existed) resumes with that part's fresh value, which is what the run it came from had.
 """
@@ -42,8 +49,9 @@ class TrainState:
         self._elapsed_before = 0.0  # loop time of the attempts before this one
         self._started: float | None = None  # when this attempt's loop started
         self._step_began: float | None = None
-        self._last_step_s = 0.0
-        self._untimed = 0
+        self._last_step_s = 0.0  # 0.0: no step timed yet
+        self._untimed = 0  # steps of this attempt whose own time is not training time
+        self._owed = 0  # steps counted with the next timed one (none timed before them)
 
     def start_clock(self, compiles: bool = False) -> None:
         """The loop begins; with torch.compile its first step compiles and is not training time."""
@@ -59,14 +67,22 @@ class TrainState:
         self._step_began = clock()
 
     def advance(self, tokens: int) -> None:
-        """After an optimizer step: its time counts as training time, except an attempt's
-        first step when it compiles (GPTRAIN_FAULT=step_time: a fixed time per step)."""
+        """After an optimizer step: its time counts as training time; an attempt's first step
+        when it compiles counts as the step before it, or with the next one when none was timed
+        before it (see the module docstring; GPTRAIN_FAULT=step_time: every step a fixed time)."""
+        fixed = faults.step_seconds()
         if self._untimed:
             self._untimed -= 1
+            counted = self._last_step_s if fixed is None else fixed
+            if counted > 0:
+                self._last_step_s = counted
+                self.train_s += counted
+            else:
+                self._owed += 1
         elif self._step_began is not None:
-            fixed = faults.step_seconds()
             self._last_step_s = clock() - self._step_began if fixed is None else fixed
-            self.train_s += self._last_step_s
+            self.train_s += self._last_step_s * (1 + self._owed)
+            self._owed = 0
         self.step += 1
         self.tokens += tokens
 
@@ -103,6 +119,7 @@ class TrainState:
             "tokens": self.tokens,
             "train_s": self.train_s,
             "last_step_s": self._last_step_s,
+            "owed_steps": self._owed,
             "skipped": self.nonfinite.count(),
             "rollbacks": self.rollbacks,
             "spikes.count": spikes["count"],
@@ -120,6 +137,7 @@ class TrainState:
             "elapsed_s": self.elapsed(),
             "train_s": self.train_s,
             "last_step_s": self._last_step_s,
+            "owed_steps": self._owed,
             "skipped": self.nonfinite.count(),
             "rollbacks": self.rollbacks,
             "spikes": self.spikes.state_dict(),
@@ -141,5 +159,6 @@ class TrainState:
         self._elapsed_before = saved.get("elapsed_s", 0.0)
         self.train_s = saved.get("train_s", 0.0)
         self._last_step_s = saved.get("last_step_s", 0.0)
+        self._owed = saved.get("owed_steps", 0)
         self.rollbacks = saved.get("rollbacks", 0)
         self.wandb_run_id = saved.get("wandb_run_id")
