@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 interop without the hub: convert state dicts both ways.
+"""Hugging Face GPT-2 interop without the hub: convert state dicts both ways (NanoChat's: see
+hf_nanochat.py; load_hf_folder reads either).
 
     sd = to_hf_state_dict(model)                  # load into transformers' GPT2LMHeadModel
     cfg = hf_config_dict(model.config, eot_id)    # its config.json (see gptrain/commands/export.py)
@@ -23,7 +24,9 @@ import torch
 from torch import Tensor
 
 from gptrain.errors import UserError
+from gptrain.model import hf_nanochat
 from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.nanochat import NanoChat
 
 # weights that HF stores as Conv1D (in, out); nn.Linear is (out, in)
 CONV1D_SUFFIXES = (
@@ -156,27 +159,41 @@ HF_GPT2_DEFAULTS = {
 }
 
 
-def load_hf_folder(folder: str | Path, dropout: float = 0.0) -> GPT:
-    """A GPT from a Hugging Face GPT-2 folder (config.json + model.safetensors or
-    pytorch_model.bin), e.g. from `save_pretrained`, the hub's files, or `gptrain export`."""
-    from safetensors.torch import load_file
+HF_MODEL_TYPES = {"gpt2": "GPT-2", "nanochat": "NanoChat"}  # config.json model_type -> name
 
+
+def load_hf_folder(folder: str | Path, dropout: float = 0.0) -> GPT | NanoChat:
+    """A GPT or NanoChat from a Hugging Face folder (config.json + model.safetensors or
+    pytorch_model.bin), e.g. from `save_pretrained`, the hub's files, or `gptrain export`;
+    config.json's model_type picks the architecture (absent: gpt2)."""
     folder = Path(folder)
     try:
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise UserError(
-            f"cannot read {folder / 'config.json'} ({e}); give a Hugging Face GPT-2 folder"
+            f"cannot read {folder / 'config.json'} ({e}); give a Hugging Face GPT-2 or NanoChat folder"
         ) from None
-    if raw.get("model_type", "gpt2") != "gpt2":
-        raise UserError(f"{folder} holds a {raw.get('model_type')!r} model; only GPT-2 loads")
+    model_type = raw.get("model_type", "gpt2")
+    if model_type not in HF_MODEL_TYPES:
+        raise UserError(
+            f"{folder} holds a {model_type!r} model; only {' and '.join(HF_MODEL_TYPES)} load"
+        )
     try:
+        if model_type == "nanochat":
+            config = hf_nanochat.config_from_hf(raw, dropout=dropout)
+            return hf_nanochat.from_hf_state_dict(_read_weights(folder), config)
         config = config_from_hf(SimpleNamespace(**{**HF_GPT2_DEFAULTS, **raw}), dropout=dropout)
-        if (folder / "model.safetensors").is_file():
-            sd = load_file(str(folder / "model.safetensors"))
-        else:
-            sd = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        return from_hf_state_dict(sd, config)
+        return from_hf_state_dict(_read_weights(folder), config)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise UserError(f"cannot load GPT-2 weights from {folder}: {first}") from None
+        name = HF_MODEL_TYPES[model_type]
+        raise UserError(f"cannot load {name} weights from {folder}: {first}") from None
+
+
+def _read_weights(folder: Path) -> dict[str, Tensor]:
+    """model.safetensors, else pytorch_model.bin, of a Hugging Face folder."""
+    from safetensors.torch import load_file
+
+    if (folder / "model.safetensors").is_file():
+        return load_file(str(folder / "model.safetensors"))
+    return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
