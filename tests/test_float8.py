@@ -86,6 +86,19 @@ def test_the_layers_float8_may_convert():
     assert parallelize.float8_layers(odd) == {}
 
 
+def test_the_nanochat_layers_float8_may_convert():
+    """nanochat: c_q, c_k, c_v, c_proj, c_fc, c_proj of each block, listed by hand (GQA: k and v
+    narrower than q); not the untied head, nor the embedding."""
+    cfg = load_config(DEBUG, ["model.arch=nanochat", "model.n_head=4", "model.n_kv_head=2"])
+    model = build_model(cfg, 257, meta=True)
+    want = {}
+    for i in range(2):
+        h = f"transformer.h.{i}."
+        want |= {h + "attn.c_q": (64, 64), h + "attn.c_k": (64, 32), h + "attn.c_v": (64, 32)}
+        want |= {h + "attn.c_proj": (64, 64), h + "mlp.c_fc": (64, 256), h + "mlp.c_proj": (256, 64)}  # fmt: skip
+    assert parallelize.float8_layers(model) == want
+
+
 def test_on_is_refused_with_one_line_where_it_cannot_run(monkeypatch):
     """train.float8 = on: a CPU, a GPU under compute capability 8.9 (named, with its capability),
     torchao missing (its import fails), another dtype than bf16: one line, nothing timed."""

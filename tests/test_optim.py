@@ -185,6 +185,33 @@ def test_muon_split_is_exactly_the_block_matrices(bias):
     assert model.lm_head.weight is model.transformer.wte.weight  # the tied head: with AdamW
 
 
+def test_nanochat_muon_split_keeps_the_untied_head_with_adamw():
+    """nanochat: Muon gets exactly the blocks' Linear weights (c_q, c_k, c_v, c_proj, c_fc,
+    c_proj, named from the module tree); AdamW the embedding and the untied lm_head; the
+    no-decay group is empty (no 1-D parameters), and a step with it runs and moves the head."""
+    from gptrain.model.nanochat import NanoChat, NanoChatConfig
+
+    torch.manual_seed(0)
+    model = NanoChat(NanoChatConfig(vocab_size=100, block_size=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))  # fmt: skip
+    muon, (decay, no_decay) = muon_split(model, weight_decay=0.1)
+    want_muon = {
+        f"{name}.weight"
+        for name, m in model.named_modules()
+        if name.startswith("transformer.h.") and isinstance(m, nn.Linear)
+    }
+    assert len(want_muon) == 2 * 6 and _names(model, muon) == want_muon
+    assert _names(model, decay["params"]) == {"transformer.wte.weight", "lm_head.weight"}
+    assert no_decay["params"] == []
+    everything = muon + decay["params"] + no_decay["params"]
+    assert len(everything) == len({id(p) for p in everything}) == len(list(model.parameters()))
+    cfg = OptimConfig(name="muon", muon_dtype="float32")
+    opt = build_optimizer(model, cfg, device_type="cpu", muon_dtype=torch.float32)
+    head = model.lm_head.weight.detach().clone()
+    _grads(model, 0)
+    opt.step()
+    assert not torch.equal(head, model.lm_head.weight)
+
+
 def _grads(model, seed):
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():

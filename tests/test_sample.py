@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pytest
 import torch
 
@@ -12,28 +10,38 @@ from gptrain.checkpoint import full
 from gptrain.data.tokenizers import ByteTokenizer
 from gptrain.errors import UserError
 from gptrain.evals.generate import generate_text, load_model
+from gptrain.model.arch import build, config_from_dict, config_to_dict
 from gptrain.model.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=257, block_size=32, n_layer=2, n_head=2, n_embd=32)
+# nanochat: 4 query heads reading 2 key/value heads (the cache holds the 2)
+NANOCHAT = dict(arch="nanochat", vocab_size=257, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)  # fmt: skip
 
 
-def _model(seed: int) -> GPT:
+def _model(seed: int, arch: str = "gpt2"):
     torch.manual_seed(seed)
-    model = GPT(CFG).eval()
-    with torch.no_grad():  # a sharper distribution: greedy decisions by clear margins
-        model.transformer.wte.weight.mul_(30)
+    if arch == "gpt2":
+        model = GPT(CFG).eval()
+        with torch.no_grad():  # a sharper distribution: greedy decisions by clear margins
+            model.transformer.wte.weight.mul_(30)
+        return model
+    model = build(config_from_dict(NANOCHAT)).eval()
+    with torch.no_grad():  # the zero-initialised projections too: every block reads the context
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 1.0 if name == "lm_head.weight" else 0.2)
     return model
 
 
-def _save(run_dir, step: int, model: GPT) -> None:
-    meta = {"model": asdict(model.config), "tokenizer": ByteTokenizer().identity()}
+def _save(run_dir, step: int, model) -> None:
+    meta = {"model": config_to_dict(model.config), "tokenizer": ByteTokenizer().identity()}
     full.save(run_dir, step, model.state_dict(), meta=meta)
 
 
-@pytest.fixture
-def run(tmp_path):
-    """A run with checkpoints at steps 1 and 2 (different weights); returns (dir, models)."""
-    models = {1: _model(1), 2: _model(2)}
+@pytest.fixture(params=["gpt2", "nanochat"])
+def run(tmp_path, request):
+    """A run of each block with checkpoints at steps 1 and 2 (different weights); returns (dir,
+    models)."""
+    models = {1: _model(1, request.param), 2: _model(2, request.param)}
     for step, model in models.items():
         _save(tmp_path, step, model)
     return tmp_path, models
@@ -54,7 +62,9 @@ def test_load_model_latest_and_by_step(run):
     for step, want in ((None, models[2]), (1, models[1]), (2, models[2])):
         model, tok, meta = load_model(run_dir, step)
         assert meta["step"] == (step or 2) and tok.vocab_size == 257
-        assert model.lm_head.weight is model.transformer.wte.weight
+        tied = model.lm_head.weight is model.transformer.wte.weight
+        assert tied == (model.arch == "gpt2") and model.arch == want.arch  # never re-tied
+        torch.testing.assert_close(model.lm_head.weight, want.lm_head.weight, rtol=0, atol=0)
         assert not model.training
         torch.testing.assert_close(model(idx)[0], want(idx)[0], rtol=0, atol=0)
 
