@@ -105,13 +105,14 @@ def _refuse(key: str, value, fix: str) -> UserError:
 
 
 def _rope_theta(c) -> float:
-    """rope_parameters' (or the legacy rope_theta's) theta; any other rope type refused."""
-    if _get(c, "rope_scaling"):
-        raise _refuse("rope_scaling", _get(c, "rope_scaling"), "only the default rope loads")
+    """rope_parameters' (or the legacy rope_theta's) theta; any other rope type (there, or in
+    the legacy rope_scaling, which transformers 5 reads as rope_parameters) refused."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = _get(c, key) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise _refuse(f"{key}.rope_type", rope_type, "only the default rope loads")
     rope = _get(c, "rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise _refuse("rope_parameters.rope_type", rope_type, "only the default rope loads")
     factor = rope.get("partial_rotary_factor", _get(c, "partial_rotary_factor"))
     if factor not in (None, 1, 1.0):
         raise _refuse("partial_rotary_factor", factor, "only full-width rotary (1.0) loads")
@@ -146,9 +147,9 @@ def config_from_hf(hf_config, dropout: float = 0.0) -> NanoChatConfig:
             block_size=_get(c, "max_position_embeddings"),
             n_layer=_get(c, "num_hidden_layers"),
             n_head=heads,
-            n_kv_head=0 if kv == heads else kv,
+            n_kv_head=kv,
             n_embd=hidden,
-            mlp_hidden=0 if inner == 4 * hidden else inner,
+            mlp_hidden=inner,
             softcap=float(cap or 0.0),
             rope_theta=_rope_theta(c),
             dropout=dropout,

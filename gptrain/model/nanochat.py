@@ -48,9 +48,9 @@ class NanoChatConfig:
     block_size: int = 1024  # max sequence length
     n_layer: int = 12
     n_head: int = 6
-    n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: n_head
+    n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: n_head (set so)
     n_embd: int = 768
-    mlp_hidden: int = 0  # the MLP's inner width; 0: 4 * n_embd
+    mlp_hidden: int = 0  # the MLP's inner width; 0: 4 * n_embd (set so)
     softcap: float = 15.0  # logits -> softcap * tanh(logits / softcap); 0: none
     rope_theta: float = 10000.0
     dropout: float = 0.0
@@ -75,6 +75,11 @@ class NanoChatConfig:
         return self.mlp_hidden or 4 * self.n_embd
 
     def __post_init__(self) -> None:
+        # canonical: 0 becomes what it stands for, so equal architectures compare equal
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.mlp_hidden == 0:
+            self.mlp_hidden = 4 * self.n_embd
         if self.n_head < 1 or self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.head_dim % 2:
