@@ -169,3 +169,46 @@ def test_init_from_refuses_mismatched_or_missing_weights(byte_data, tmp_path, ca
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+def test_init_from_refusals_name_the_folders_block(byte_data, tmp_path, capsys):
+    """A GPT-2 folder with model.bias = false (its weights have biases); a NanoChat folder using
+    a feature the block lacks; a model_type neither gpt2 nor nanochat: one line, exit 2, no run."""
+    import json
+
+    debug = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=257, n_positions=64, n_layer=1, n_head=2, n_embd=32)
+    ).save_pretrained(gpt2)
+    gelu = tmp_path / "nanochat-gelu"
+    transformers.NanoChatForCausalLM(
+        transformers.NanoChatConfig(
+            vocab_size=257,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+        )  # fmt: skip
+    ).save_pretrained(gelu)
+    raw = json.loads((gelu / "config.json").read_text())
+    (gelu / "config.json").write_text(json.dumps({**raw, "hidden_act": "gelu"}))
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    capsys.readouterr()
+    for folder, extra, needle in [
+        (
+            gpt2,
+            ["--model.bias=false"],
+            "which have biases, but model.bias = false; drop --model.bias=false",
+        ),
+        (gelu, [], "hidden_act='gelu' is not supported"),
+        (llama, [], "holds a 'llama' model"),
+    ]:
+        args = ["train", "--config", debug, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", f"--model.init_from={folder}", *extra]  # fmt: skip
+        assert cli(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "r").exists()

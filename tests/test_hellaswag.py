@@ -43,8 +43,12 @@ def hellaswag_file():
     return HELLASWAG
 
 
-def save_run(run_dir, tokenizer, block_size: int, seed: int = 0) -> GPT:
-    """A checkpoint of a small random GPT-2 (every parameter randomised)."""
+def save_run(run_dir, tokenizer, block_size: int, seed: int = 0, arch: str = "gpt2"):
+    """A checkpoint of a small random GPT-2 or nanochat (every parameter randomised)."""
+    if arch == "nanochat":
+        from test_nanochat_export import save_nanochat_run
+
+        return save_nanochat_run(run_dir, tokenizer, block_size, seed)
     cfg = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32)  # fmt: skip
     model = GPT(cfg).eval()
     g = torch.Generator().manual_seed(seed)
@@ -56,9 +60,10 @@ def save_run(run_dir, tokenizer, block_size: int, seed: int = 0) -> GPT:
 
 
 def reference(hf_dir, path, n: int, block_size: int):
-    """Independent scorer: GPT2LMHeadModel, one (context + ending) at a time, build-nanogpt's way."""
+    """Independent scorer: transformers' model of the folder (GPT2LMHeadModel,
+    NanoChatForCausalLM), one (context + ending) at a time, build-nanogpt's way."""
     transformers = pytest.importorskip("transformers")
-    model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     rows = [json.loads(line) for line in open(path).read().splitlines()[:n]]
     sums, counts, cut = np.zeros((n, 4)), np.zeros((n, 4)), 0
@@ -81,14 +86,19 @@ def reference(hf_dir, path, n: int, block_size: int):
 
 
 @pytest.mark.parametrize(
-    "tok_name,block_size,n",
-    [pytest.param("gpt2", 256, 100, marks=pytest.mark.slow), ("byte", 192, 60)],
+    "tok_name,block_size,n,arch",
+    [
+        pytest.param("gpt2", 256, 100, "gpt2", marks=pytest.mark.slow),
+        ("byte", 192, 60, "gpt2"),
+        ("byte", 192, 16, "nanochat"),
+    ],
 )
-def test_scorer_equals_transformers_reference(tmp_path, hellaswag_file, gpt2_env, tok_name, block_size, n):  # fmt: skip
-    """Same per-example losses and predictions as GPT2LMHeadModel scored one sequence at a time;
-    the byte run's context (192) is shorter than many examples: left truncation counted as well."""
+def test_scorer_equals_transformers_reference(tmp_path, hellaswag_file, gpt2_env, tok_name, block_size, n, arch):  # fmt: skip
+    """Same per-example losses and predictions as transformers' model (GPT2LMHeadModel,
+    NanoChatForCausalLM) scored one sequence at a time; the byte run's context (192) is shorter
+    than many examples: left truncation counted as well."""
     tok = load_tokenizer(tok_name)
-    save_run(tmp_path / "run", tok, block_size)
+    save_run(tmp_path / "run", tok, block_size, arch=arch)
     assert cli(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     sums, counts, labels, cut = reference(tmp_path / "hf", hellaswag_file, n, block_size)
 

@@ -1,12 +1,13 @@
-"""`gptrain eval`: validation loss/bpb and HellaSwag for a run's checkpoint or any Hugging Face GPT-2.
+"""`gptrain eval`: validation loss/bpb and HellaSwag for a run's checkpoint or a Hugging Face GPT-2 or NanoChat folder.
 
     gptrain eval --run runs/debug --tasks val,hellaswag               # latest checkpoint, its own data
     gptrain eval --run runs/debug --step 500 --tasks hellaswag --hellaswag-limit 1000
     gptrain eval --hf exports/gpt2 --tasks val,hellaswag --data data/fineweb-gpt2
     torchrun --nproc_per_node=8 -m gptrain eval --hf DIR --tasks hellaswag    # examples split over ranks
 
-Both kinds of model go through the same code (gptrain's GPT, the same scorer, the same validation
-tokens), so a run compares with any GPT-2 checkpoint on the same footing. Prints a table and writes
+Both kinds of model go through the same code (gptrain's own GPT or NanoChat, the same scorer, the
+same validation tokens), so a run compares with any GPT-2 or NanoChat checkpoint on the same
+footing. Prints a table and writes
 the numbers as JSON (--out; default RUN/eval/step_N.json for a run, ./eval-NAME.json for --hf).
 """
 
@@ -28,7 +29,7 @@ TASKS = ("val", "hellaswag")
 
 
 def hf_tokenizer(folder: Path, vocab_size: int, override: str = ""):
-    """The tokenizer of a Hugging Face GPT-2 folder: --tokenizer, else the one gptrain export
+    """The tokenizer of a Hugging Face folder: --tokenizer, else the one gptrain export
     recorded, else GPT-2's for a 50257-token vocabulary, else its tokenizer.json as a BPE."""
     from gptrain.data.tokenizers import load_tokenizer
 
@@ -106,7 +107,7 @@ def arg_parser() -> ArgParser:
     p = ArgParser(prog="gptrain eval", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", help="run directory (its latest checkpoint, or --step)")
-    src.add_argument("--hf", help="a Hugging Face GPT-2 folder (config.json + weights)")
+    src.add_argument("--hf", help="a Hugging Face GPT-2 or NanoChat folder (config.json + weights)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step of --run")
     p.add_argument("--tasks", default="val,hellaswag", help="comma-separated: val, hellaswag")
     p.add_argument("--data", default="", help="prepared data folder for val (default: the run's)")

@@ -3,12 +3,14 @@
     gptrain export --run runs/default --out exports/default            # the latest checkpoint
     gptrain export --run runs/default --out exports/step100 --step 100
 
-    from transformers import AutoTokenizer, GPT2LMHeadModel
-    model = GPT2LMHeadModel.from_pretrained("exports/default")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained("exports/default")
     tokenizer = AutoTokenizer.from_pretrained("exports/default")
 
-The folder holds config.json (GPT2Config), model.safetensors (HF key names and Conv1D layout, the
-vocabulary unpadded), and the run's tokenizer as a fast tokenizer: tokenizer.json +
+The folder holds config.json and model.safetensors of the run's block: GPT2Config and HF's key
+names and Conv1D layout for gpt2 (GPT2LMHeadModel), NanoChatConfig and its key names for
+nanochat (NanoChatForCausalLM, untied head), the vocabulary unpadded (gptrain/model/hf.py,
+hf_nanochat.py); and the run's tokenizer as a fast tokenizer: tokenizer.json +
 tokenizer_config.json. Every tokenizer gptrain trains with has an exact HF equivalent:
   * byte: byte-level BPE with the 256 bytes as ids 0-255, no merges, end-of-text 256;
   * gpt2: the vocabulary and merges rebuilt from the mergeable ranks (tiktoken's form);
@@ -89,26 +91,38 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
     raise UserError(f"tokenizer {tokenizer.name!r} has no Hugging Face export")
 
 
+HF_MODULES = {"gpt2": "gptrain.model.hf", "nanochat": "gptrain.model.hf_nanochat"}
+HF_NAMES = {"gpt2": "GPT-2", "nanochat": "NanoChat"}
+
+
+def hf_module(arch: str):
+    """The module that maps the `arch` block to its transformers class (hf_config_dict,
+    to_hf_state_dict)."""
+    import importlib
+
+    return importlib.import_module(HF_MODULES[arch])
+
+
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
     """Write the run's checkpoint (latest, or `step`) as a Hugging Face folder at `out`."""
     from safetensors.torch import save_file
 
     from gptrain.evals.generate import load_model
-    from gptrain.model.hf import hf_config_dict, to_hf_state_dict
 
     out = Path(out)
     if out.exists():
         raise UserError(f"--out {out} already exists; choose a new folder (nothing is overwritten)")
     model, tokenizer, meta = load_model(run_dir, step)
+    hf = hf_module(model.arch)
     try:
-        config = hf_config_dict(model.config, tokenizer.eot_id)
+        config = hf.hf_config_dict(model.config, tokenizer.eot_id)
     except ValueError as e:
         raise UserError(f"cannot export {run_dir}: {e}") from None
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        save_file(to_hf_state_dict(model), str(tmp / "model.safetensors"), {"format": "pt"})
+        save_file(hf.to_hf_state_dict(model), str(tmp / "model.safetensors"), {"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "tokenizer.json").write_text(hf_tokenizer_json(tokenizer), encoding="utf-8")
         tok_config = {
@@ -139,7 +153,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     a = p.parse_args(argv)
     out = export_hf(a.run, a.out, a.step)
+    name = HF_NAMES.get(json.loads((out / "config.json").read_text()).get("model_type"), "")
     print(
-        f"wrote {out}: config.json, model.safetensors, tokenizer.json (Hugging Face GPT-2 format)"
+        f"wrote {out}: config.json, model.safetensors, tokenizer.json (Hugging Face {name} format)"
     )
     return 0
