@@ -249,3 +249,47 @@ def test_the_full_path_gives_plain_cross_entropy_like_the_chunked_one(dtype):
         assert (_step_footprint(model, idx, targets, use_plain=False)[0] >= full_logits) == holds
     with pytest.raises(ValueError, match="chunked or full"):
         model.set_loss("fused")
+
+
+def _softcap_reference(x, w, t, vocab, cap):
+    """The plain computation: full float logits, the real columns, capped, cross-entropy."""
+    logits = (x @ w.t())[:, :vocab]
+    return F.cross_entropy(cap * torch.tanh(logits / cap), t, ignore_index=-1, reduction="none")
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 10])
+def test_softcap_loss_and_gradients_equal_the_capped_cross_entropy(chunk_rows):
+    """softcap: chunked and full losses, their gradients (through 1 - tanh^2) and the per-row
+    losses equal cross-entropy over cap * tanh(logits / cap) of the real columns, in float64.
+    The padded rows are made large: capped before masking they would get probability."""
+    from gptrain.model.losses import chunked_loss, full_cross_entropy
+
+    torch.manual_seed(0)
+    cap, vocab = 3.0, 50
+    x = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(64, 8, dtype=torch.float64)
+    w[vocab:] = 10.0  # padded rows: logits far above the cap
+    w.requires_grad_()
+    t = torch.randint(0, vocab, (10,))
+    t[3] = -1
+    rows = _softcap_reference(x, w, t, vocab, cap)
+    ref = rows.sum() / 9
+    (3.0 * ref).backward()
+    ref_grads = x.grad.clone(), w.grad.clone()
+    assert torch.all(ref_grads[1][vocab:] == 0)
+    for loss_fn, tol in (  # the full path computes its logits in float32 by design
+        (lambda: linear_cross_entropy(x, w, t, vocab, chunk_rows, softcap=cap), 1e-12),
+        (lambda: full_cross_entropy(x, w, t, vocab, softcap=cap), 1e-5),
+    ):
+        x.grad = w.grad = None
+        loss = loss_fn()
+        (3.0 * loss).backward()
+        torch.testing.assert_close(loss.double(), ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(x.grad, ref_grads[0], rtol=tol, atol=tol)
+        torch.testing.assert_close(w.grad, ref_grads[1], rtol=tol, atol=tol)
+    per_row = torch.zeros(10, dtype=torch.float64)
+    with torch.no_grad():
+        chunked_loss(x, w, t, vocab, chunk_rows, False, per_row, softcap=cap)
+        torch.testing.assert_close(per_row, rows, rtol=1e-12, atol=1e-12)
+        uncapped = linear_cross_entropy(x, w, t, vocab, chunk_rows)
+    assert not torch.allclose(uncapped, ref)  # the cap changes the loss: the test can fail
