@@ -220,6 +220,11 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
 def test_presets_load_and_help_documents_every_key():
     for preset in sorted((REPO / "configs").glob("*.toml")):
         load_config(str(preset))
+    nanochat = load_config(str(REPO / "configs" / "nanochat_124m.toml")).model
+    assert (nanochat.arch, nanochat.n_layer, nanochat.n_embd, nanochat.n_embd // nanochat.n_head) == ("nanochat", 12, 768, 128)  # fmt: skip
+    small, twin = (load_config(str(REPO / "configs" / f"{n}.toml")) for n in ("small", "nanochat_small"))  # fmt: skip
+    assert (twin.model.arch, twin.model.n_layer, twin.model.n_embd) == ("nanochat", small.model.n_layer, small.model.n_embd)  # fmt: skip
+    assert (twin.optim, twin.train, twin.data) == (small.optim, small.train, small.data)
     text = help_text()
     assert "--dist.nnodes (int or MIN:MAX, default 1)" in text
     assert "--dist.hang_timeout_s (int or auto, default 'auto')" in text
