@@ -1,5 +1,7 @@
-"""The model: GPT-2 (attention, chunked output-head losses, KV-cache generation) and its Hugging Face
-GPT-2 weights in and out. Knows nothing about distributed training, checkpoints or configs.
+"""The models: GPT-2 (gpt.py) and NanoChat (nanochat.py), picked by name through arch.py, with
+shared attention (attention.py), chunked output-head losses (losses.py) and KV-cache generation
+(decode.py), and their Hugging Face weights in and out (hf.py, hf_nanochat.py). Knows nothing
+about distributed training, checkpoints or configs.
 
-May import: torch, and the ground file gptrain.errors (hf.py only).
+May import: torch, and the ground file gptrain.errors (hf.py, hf_nanochat.py only).
 """
