@@ -50,6 +50,7 @@ class Feature:
     atol: float = 1e-5
 
 
+NANOCHAT = ("--model.arch=nanochat", "--model.n_head=4", "--model.n_kv_head=2")
 FEATURES = [
     # every step counts 0.25 s: 6 steps in 1.5 s, the schedule of 8 steps read at the time spent
     Feature("time_budget", ("--train.time_budget=1.5s", "--train.max_steps=8"), "step_time@0.25"),
@@ -67,6 +68,14 @@ FEATURES = [
     ),  # fmt: skip
     # to step 6, then back to step 4 with another lr (a new timeline), to step 6 again
     Feature("timeline", branch=("--checkpoint.resume=4", "--optim.lr=1e-3"), kill_at=6),
+    # the nanochat block (RMSNorm, RoPE, QK-norm, ReLU^2, untied head, softcap); GQA: 4 query
+    # heads of 16 reading 2 key/value heads
+    Feature("nanochat", NANOCHAT),
+    # ... with Muon on its block matrices, AdamW on the embedding and the untied head
+    Feature(
+        "nanochat_muon",
+        (*NANOCHAT, "--optim.name=muon", "--optim.muon_dtype=float32", "--optim.muon_split=split"),
+    ),  # fmt: skip
 ]
 PROOFS = ["ddp", "fsdp", "resume"]
 
