@@ -2,14 +2,15 @@
 interpolation, the power law's fit, the bootstrap interval and the bounds against numpy, SciPy and
 hand computations; a ladder race of the debug model end to end; its bad input."""
 
-import itertools
 import json
+import math
 
 import numpy as np
 import pytest
 from test_race import FAST, listing
 
 from gptrain.__main__ import main as cli
+from gptrain.errors import UserError
 from gptrain.logs import ladder
 from gptrain.logs.race import analyse
 from gptrain.logs.race_report import markdown_table, multiplier_cell
@@ -83,39 +84,70 @@ def test_the_power_law_fit_recovers_a_law_and_marks_an_extrapolation():
     assert ladder.fit_power_law(tokens[:2], [3.0, 2.5]) is None  # 2 rungs: no fit
 
 
-def exact_bootstrap(rungs, candidate) -> np.ndarray:
-    """Every equally likely resample (each group's seeds drawn with replacement), enumerated:
-    the bootstrap distribution the resampling estimates."""
-    groups = [*rungs, candidate]
-    values = []
-    for picks in itertools.product(
-        *[list(itertools.product(range(len(g)), repeat=len(g))) for g in groups]
-    ):
-        drawn = [[g[i] for i in p] for g, p in zip(groups, picks, strict=True)]
-        values.append(numpy_multiplier(drawn[:-1], drawn[-1]))
-    return np.array(values)
+T_975_DF2 = (
+    0.95 * (2 / (1 - 0.95**2)) ** 0.5
+)  # t(2)'s 97.5% point: F(t) = 1/2 + t / (2 sqrt(2 + t^2))
 
 
-def test_the_bootstrap_interval_is_reproducible_and_matches_the_exact_bootstrap():
-    """Two rungs and a candidate of 3 seeds each: 27^3 equally likely resamples, enumerated with
-    numpy. The interval from BOOT_N draws (seeded) lies within the exact distribution's 1-5% and
-    95-99% quantiles, and is the same on every call."""
-    rungs = [runs(1000, [3.05, 2.98, 2.97]), runs(2000, [2.55, 2.5, 2.42])]
-    cand = runs(1000, [2.84, 2.8, 2.74])
-    exact = exact_bootstrap(rungs, cand)
-    lo, hi = ladder.bootstrap(rungs, cand)
-    assert ladder.bootstrap(rungs, cand) == [lo, hi]
-    assert np.quantile(exact, 0.01) <= lo <= np.quantile(exact, 0.05)
-    assert np.quantile(exact, 0.95) <= hi <= np.quantile(exact, 0.99)
-    m = ladder.multiplier(rungs, cand, [1, 2])
-    assert m["ci"] == [lo, hi] and lo < m["value"] < hi
+def accepted_grid(rungs, candidate, n=200_001):
+    """The log tokens, on a dense grid over the ladder, where |ladder(x) - L_c| <= t * se(x),
+    computed with numpy: the ladder's means and the variances of the means interpolated
+    linearly in log tokens between neighbouring rungs (the weights squared for the variance)."""
+    x = np.log([g[0]["tokens"] for g in rungs])
+    mean = np.array([np.mean([r["val_loss"] for r in g]) for g in rungs])
+    var = np.array([np.var([r["val_loss"] for r in g], ddof=1) / len(g) for g in rungs])
+    c = [r["val_loss"] for r in candidate]
+    grid = np.linspace(x[0], x[-1], n)
+    j = np.clip(np.searchsorted(x, grid, side="right") - 1, 0, len(x) - 2)
+    w = (grid - x[j]) / (x[j + 1] - x[j])
+    d = (1 - w) * mean[j] + w * mean[j + 1] - np.mean(c)
+    v = (1 - w) ** 2 * var[j] + w**2 * var[j + 1] + np.var(c, ddof=1) / len(c)
+    return grid[np.abs(d) <= T_975_DF2 * np.sqrt(v)], grid[1] - grid[0]
 
 
-def test_resamples_beyond_the_ladder_leave_the_interval_open():
-    rungs = [runs(1000, [3.0, 3.02]), runs(2000, [2.5, 2.52])]
-    cand = runs(1000, [2.45, 2.6])  # its mean 2.525 is inside; many resamples are beyond
-    lo, hi = ladder.bootstrap(rungs, cand)
-    assert lo is not None and hi is None
+@pytest.mark.parametrize(
+    "cand_losses",
+    [[2.84, 2.8, 2.74], [2.62, 2.52, 2.6], [2.95, 3.0, 2.9], [2.3, 2.2, 2.5]],
+)
+def test_the_interval_is_where_welchs_statistic_along_the_ladder_stays_within_t(cand_losses):
+    """3 seeds per group: Hsu's df is 2. The interval's ends are the first and last log tokens
+    of the accepted grid (within its spacing); an end reaching the lowest or top rung is open."""
+    rungs = [
+        runs(1000, [3.05, 2.98, 2.97]),
+        runs(2000, [2.55, 2.5, 2.42]),
+        runs(4000, [2.21, 2.26, 2.17]),
+    ]
+    cand = runs(1000, cand_losses)
+    got = ladder.interval(rungs, cand)
+    ok, step = accepted_grid(rungs, cand)
+    x = np.log([1000, 2000, 4000])
+    for end, want, edge in ((got["ci"][0], ok.min(), x[0]), (got["ci"][1], ok.max(), x[-1])):
+        if abs(want - edge) < step:
+            assert end is None
+        else:
+            assert math.log(end * 1000) == pytest.approx(want, abs=step)
+    assert got["two_sided"] == (None not in got["ci"])
+    assert "Hsu" in got["interval"] and "3 seeds" in got["interval"]
+    m = ladder.multiplier(rungs, cand, [1, 2, 4])
+    assert m["ci"] == got["ci"] and m["interval"] == got["interval"]
+    if None not in got["ci"]:
+        assert got["ci"][0] < m["value"] < got["ci"][1]
+
+
+def test_beyond_the_ladder_at_95_percent_the_interval_is_one_sided_and_never_two_sided():
+    rungs = [runs(1000, [3.0, 3.02, 2.98]), runs(2000, [2.5, 2.52, 2.48])]
+    m = ladder.multiplier(rungs, runs(1000, [2.1, 2.12, 2.08]), [1, 2])  # far below the top
+    assert m["bound"] == ">" and m["ci"] == [2.0, None] and not m["two_sided"]
+    m = ladder.multiplier(rungs, runs(1000, [3.4, 3.42, 3.38]), [1, 2])  # far above the lowest
+    assert m["bound"] == "<" and m["ci"] == [None, 1.0] and not m["two_sided"]
+    m = ladder.multiplier(rungs, runs(1000, [2.45, 2.6, 2.53]), [1, 2])  # inside, near the top
+    assert m["bound"] is None and m["ci"][1] is None and not m["two_sided"]
+
+
+def test_fewer_than_two_seeds_in_a_group_is_one_line():
+    rungs = [runs(1000, [3.0, 3.02]), runs(2000, [2.5])]
+    with pytest.raises(UserError, match="needs 2 finished runs or more in each rung.*2, 1, 2"):
+        ladder.multiplier(rungs, runs(1000, [2.8, 2.7]), [1, 2])
 
 
 def synthetic(config, seed, tokens, curve_losses, final):

@@ -1,6 +1,6 @@
 """benchmarks/study_report.py: the study's table shows each cell's two races as the races computed
 them: the recipe's multiplier, the inverse of the baseline's on the recipe's ladder, checked by
-hand with its interval; the ablation's bound with its p-value; the regime; the rungs that read
+hand with its interval, computed again from the runs; a bound never sets the step count; the ablation's bound with its p-value; the regime; the rungs that read
 the train split twice."""
 
 import math
@@ -10,6 +10,7 @@ import pytest
 from test_ladder import synthetic
 from train_helpers import REPO
 
+from gptrain.errors import UserError
 from gptrain.logs.race import analyse
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -100,11 +101,42 @@ def test_the_124m_step_count_divides_by_the_lowest_bound_or_by_nothing():
     assert study_report.config_steps([])[0] == 19073
 
 
-def test_a_rows_lower_bound_is_its_intervals_low_end_or_its_bound():
+def test_a_rows_lower_bound_is_its_two_sided_intervals_low_end_and_never_a_bound():
     rec = study_report.row("code-small-1x", baseline_race(), recipe_race(), 5000)
     against = recipe_race()["configs"][3]["compute_multiplier"]
+    assert against["two_sided"]
     assert rec["recipe_low"] == pytest.approx(1 / against["ci"][1], rel=1e-12)
-    assert study_report.lower_bound({"value": 4.0, "bound": ">", "ci": None}) == 4.0
-    assert study_report.lower_bound({"value": 0.5, "bound": "<", "ci": None}) == 0.0
-    assert study_report.lower_bound({"value": 2.0, "bound": None, "ci": [None, 3.0]}) is None
+    assert rec["recipe_why"] is None
+    low, why = study_report.lower_bound({"value": 8.0, "bound": ">", "ci": [8.0, None]})
+    assert low is None and "bound past its ladder (> 8x)" in why and "add rungs" in why
+    assert study_report.lower_bound({"value": 0.5, "bound": "<", "ci": None})[0] is None
+    open_end = {"value": 2.0, "bound": None, "ci": [1.5, None], "two_sided": False}
+    assert study_report.lower_bound(open_end)[0] is None
     assert study_report.not_run("prose-large-1x")["recipe_low"] is None
+
+
+def test_a_bound_past_a_flipped_ladder_never_sets_the_step_count():
+    """The recipe's ladder ends above the baseline's loss at every rung (its lowest rung already
+    beats it): the recipe's multiplier is "> 8x", a bound. The step count stays llm.c's and
+    its line names the cell and the fix; the table shows the bound, never a point."""
+    flipped = ladder_race("recipe", {0.125: 2.5, 0.25: 2.6, 0.5: 2.7, 1: 2.8}, "baseline", 3.0)
+    r = study_report.row("prose-large-1x", baseline_race(), flipped, 5000)
+    assert r["recipe_x"].startswith("> 8x") and r["recipe_low"] is None
+    rows = [_cell("code-large-1x", 2.0), r]
+    steps, why = study_report.config_steps(rows)
+    assert steps == 19073 and "prose-large-1x" in why and "add rungs" in why
+
+
+def test_the_row_recomputes_each_multiplier_from_the_runs_and_refuses_one_seed():
+    """A race.json written with another interval (an old bootstrap's numbers) is read again from
+    its runs' final losses; a rung with one finished run is one line naming the cell."""
+    rec = recipe_race()
+    rec["configs"][3]["compute_multiplier"] |= {"ci": [0.3, 0.4], "two_sided": True}
+    want = study_report.invert(recipe_race()["configs"][3]["compute_multiplier"])
+    r = study_report.row("code-small-1x", baseline_race(), rec, 5000)
+    assert r["recipe_low"] == pytest.approx(want["ci"][0], rel=1e-12)
+    for run in rec["runs"]:
+        if run["config"] == "recipe@0.5" and run["seed"] > 1:
+            run["status"] = "failed (exit 1)"
+    with pytest.raises(UserError, match="code-small-1x, baseline against the ladder: .*needs 2"):
+        study_report.row("code-small-1x", baseline_race(), rec, 5000)

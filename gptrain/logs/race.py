@@ -32,7 +32,7 @@ METHODS = {
     "p": "Welch's t-test (unequal variances), two-sided",
     "ratio_ci": "Fieller's interval for a ratio of means under Welch's test",
     "compute_multiplier": "the tokens at which the ladder's mean final val losses (each rung a complete baseline run at a multiple of its steps), interpolated linearly in log tokens between rungs, reach the config's mean final val loss, over the config's mean tokens; beyond the top rung a lower bound (> m), below the lowest an upper bound (< m), each with the one-sided Welch p-value of the config's final losses against that rung's",
-    "compute_multiplier_ci": f"bootstrap percentile interval: {ladder.BOOT_N} resamples of the seeds within each rung and within the config (numpy default_rng({ladder.BOOT_SEED})); a bound open where resamples fall beyond the ladder",
+    "compute_multiplier_ci": "the log tokens at which Welch's t statistic of (the ladder's mean final loss interpolated there - the config's mean final loss) stays within Student's t quantile at Hsu's degrees of freedom (the fewest seeds in a group - 1): Fieller's interval along the ladder; an end that reaches the lowest or the top rung is open, and only an interval with both ends inside the ladder is two-sided (tests/test_ladder_coverage.py: it covers known multipliers at the study's noise)",
     "fit": "L(D) = E + A D^-alpha through the rungs' means (3 rungs or more), least squares; its multiplier is shown beside, marked where it extrapolates beyond the ladder",
     "seconds": "training seconds, the run's train_s or from the logged throughput (evaluation and checkpoints excluded)",
 }

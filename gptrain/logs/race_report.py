@@ -163,8 +163,9 @@ def _multiplier_legend(race: dict, ladder: bool) -> str:
     if not ladder:
         return "Compute multiplier (bound): without a ladder (--ladder) the baseline is one rung, read only where its schedule ended: a config ending below its mean final val loss shows > the baseline's mean tokens over the config's, one ending above it <, each with the one-sided Welch p-value of the two configs' final losses."
     rungs = ", ".join(f"{label} ({m:g}×)" for label, m in race["ladder"].items())
+    methods = {c["compute_multiplier"].get("interval") for c in race["configs"] if "compute_multiplier" in c} - {None}  # fmt: skip
     return (
-        f"Compute multiplier (ladder: {rungs}): {METHODS['compute_multiplier']}. Interval: {METHODS['compute_multiplier_ci']}."
+        f"Compute multiplier (ladder: {rungs}): {METHODS['compute_multiplier']}. Interval ({'; '.join(sorted(methods)) or 'none'}): {METHODS['compute_multiplier_ci']}."
         + (f" fit L(D): {METHODS['fit']}." if len(race["ladder"]) >= 3 else "")
     )
 
