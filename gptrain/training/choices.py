@@ -45,6 +45,8 @@ from gptrain.distributed import parallelize
 from gptrain.errors import UserError
 from gptrain.model.losses import chunk_rows
 from gptrain.training import float8 as fp8
+from gptrain.training import recorded as recorded_choices
+from gptrain.training.facts import Limits
 from gptrain.training.precision import DTYPES, auto_cuda_dtype, cuda_supports_bf16, resolve_dtype
 from gptrain.training.timing import (
     Clock,
@@ -76,6 +78,7 @@ MATMUL_MEMORY = 2**30  # bytes of probabilities matmul attention may keep for ba
 # copies); a GPU takes it only while that is at most this share of its free memory
 FULL_LOGITS_BYTES, LOGITS_MEMORY_SHARE = 12, 0.25
 SPLIT = "muon-split"  # the cache's kind of the Muon step's timings, split vs redundant
+ALONE = Limits(fp8=True, bf16=True, free=None, alike=True)  # no other rank's facts: no limit
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ class Choices:
     muon_split: str | None = None  # split or redundant; None: the run has no Muon
     loss: str | None = None  # chunked or full; None: not decided here
     float8: fp8.Float8 | None = None  # the float8 layers and their timings; None: not decided
+    compile: bool | None = None  # train.compile of the run (None: not said)
+    micro_batch: int | None = None  # the micro-batch the run resolved (training/batch.py)
     how: dict = field(default_factory=dict)
     block_ms: dict = field(default_factory=dict)  # "dtype/kernel" -> ms per forward + backward
     block_tokens: tuple = ()  # (sequences, seq_len) of the timed block
@@ -125,6 +130,16 @@ class Choices:
         """What a checkpoint records, so that a resumed run computes the same way."""
         keys = ("dtype", "attention", "muon_dtype", "muon_split", "loss")
         return {k: getattr(self, k) for k in keys} | fp8.decisions(self.float8)
+
+    def record(self) -> dict:
+        """What a checkpoint records ("speed_choices"): the decisions, train.compile and the
+        resolved micro-batch where set (training/recorded.py reads them back on resume)."""
+        out = self.decisions()
+        if self.compile is not None:
+            out["compile"] = self.compile
+        if self.micro_batch is not None:
+            out["micro_batch_size"] = self.micro_batch
+        return out
 
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "warnings"}
@@ -174,37 +189,54 @@ def decide(
     compiled: bool = False,
     timer=None,
     cache_path: Path | None | bool = True,
+    limits: Limits | None = None,
+    recorded: dict | None = None,
 ) -> Choices:
     """The run's dtype, attention kernel, (muon_dtype not None) Muon dtype, (loss not None) loss
     path and (float8 not None) float8 layers, timed compiled when `compiled` (the run compiles its
     blocks; its loss too unless `fsdp`); explicit values are kept untimed. `timer(label, fn,
     rival) -> seconds` times a candidate (default: Clock(); its crowding(), when it has one,
     decides whether timings are cached); cache_path True: the gptrain cache, None/False: none.
+    `limits` (training/facts.py: what every rank can run, from every rank's facts; None: this
+    process alone) bound every choice and key the cache where ranks differ. `recorded`: a resumed
+    checkpoint's choices ({key: value}, Choices.decisions()); each key still auto keeps its value
+    untimed (how: "checkpoint"), except one that cannot run here: that one alone is decided
+    again, with a warning naming it and both values.
     UserErrors: optim.muon_dtype = bfloat16 where bf16 is emulated, float8 = on where it can't run."""
-    start, timer = time.perf_counter(), timer or Clock()
+    start, timer, limits = time.perf_counter(), timer or Clock(), limits or ALONE
+    asked = dict(dtype=dtype, attention=attention, muon_dtype=muon_dtype, loss=loss, float8=float8)
+    no_room = partial(_no_room_for_logits, device, shapes, limits)
+    kept, again = recorded_choices.keep(device, asked, recorded or {}, limits, no_room)
+    dtype, attention, muon_dtype, loss, float8 = ({**asked, **kept}[k] for k in asked)
     if dtype != "auto":
         resolve_dtype(dtype, torch.device(device).type)  # float16 off CUDA: refused before timing
-    fp8.refuse(device, float8, dtype)
+    fp8.refuse(device, float8, dtype, limits)
     ruled = float8 == "on" and dtype == "auto"  # float8 trains under bf16
     warnings: list = []
     path = default_cache_path() if cache_path is True else (cache_path or None)
-    where = f"{machine(device)}|torch {torch.__version__}"
+    where = f"{machine(device)}|torch {torch.__version__}{limits.cache_key()}"
     measure = Timings(path, where, timer, warnings)
 
     cuda = device.startswith("cuda")
-    no_bf16 = "rule: bf16 not native" if cuda else "measured: bf16 emulated"
     out = Choices(dtype=dtype, attention=attention, muon_dtype=muon_dtype, warnings=warnings)
     wants_bf16 = (
         dtype == "auto"
         or (dtype == "bfloat16" and attention == "auto")
         or muon_dtype in ("auto", "bfloat16")
     )
-    native = _bf16_native(device, cuda, wants_bf16, measure, out)
+    here = _bf16_native(device, cuda, wants_bf16, measure, out)
+    native = limits.bf16_native(here)
+    no_bf16 = "rule: bf16 not native" if cuda else "measured: bf16 emulated"
+    if here and not native:
+        no_bf16 = f"rule: bf16 not native on every rank ({limits.differ()})"
     if muon_dtype == "bfloat16" and not native:
-        why = "compute capability < 8.0" if cuda else f"a bf16 matmul measured {out.bf16_ratio:.1f}x float32's time"  # fmt: skip
-        raise UserError(
-            f"optim.muon_dtype = 'bfloat16' but this device computes bf16 only by emulation ({why}); use optim.muon_dtype=float32 or auto"
-        )
+        why = no_bf16.split(": ", 1)[1] if here else "compute capability < 8.0" if cuda else f"a bf16 matmul measured {out.bf16_ratio:.1f}x float32's time"  # fmt: skip
+        if "muon_dtype" not in kept:
+            raise UserError(
+                f"optim.muon_dtype = 'bfloat16' but this device computes bf16 only by emulation ({why}); use optim.muon_dtype=float32 or auto"
+            )
+        again["muon_dtype"] = (kept.pop("muon_dtype"), f"bf16 is emulated: {why}")
+        muon_dtype = out.muon_dtype = "auto"
     dtypes = _dtype_candidates("bfloat16" if ruled else dtype, cuda, native, fsdp, out)
     kernels = _kernel_candidates(attention, shapes, out)
     _decide_block(device, shapes, dtypes, kernels, measure, out, asked=(dtype, attention))
@@ -212,13 +244,26 @@ def decide(
     if len(dtypes) == 1 and out.how["dtype"] == "measured":
         out.how["dtype"] = no_bf16
     _decide_muon(device, shapes, muon_dtype, native, measure, out, no_bf16)
-    _decide_loss(device, shapes, loss, compiled and not fsdp, measure, out)
-    fp8.decide(device, shapes, float8, out.dtype, compiled, fsdp, measure, out, _pick, GPU_BLOCK_FLOPS)  # fmt: skip
+    _decide_loss(device, shapes, loss, compiled and not fsdp, measure, out, no_room)
+    fp8.decide(device, shapes, float8, out.dtype, compiled, fsdp, measure, out, _pick, GPU_BLOCK_FLOPS, limits)  # fmt: skip
     if measure.hits and all(measure.hits):
         out.how = {k: v.replace("measured", "cached") for k, v in out.how.items()}
+    out.how.update(dict.fromkeys(kept, "checkpoint"))
+    out.warnings += recorded_choices.again_lines(out.decisions(), again)
     measure.save_unless_crowded(timer, cuda)
     out.seconds = time.perf_counter() - start
     return out
+
+
+def _no_room_for_logits(device: str, s: Shapes, limits: Limits) -> str | None:
+    """Why the full logits of the run's micro-batch do not fit (LOGITS_MEMORY_SHARE of the free
+    memory of this GPU, and of the rank with the least), or None where they do."""
+    need = s.micro_batch * s.seq_len * s.padded_vocab * FULL_LOGITS_BYTES
+    if device.startswith("cuda") and need > LOGITS_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:  # fmt: skip
+        return f"the full logits need {need / 2**30:.1f} GiB, over {LOGITS_MEMORY_SHARE:.0%} of free memory"  # fmt: skip
+    if not limits.logits_fit(need, LOGITS_MEMORY_SHARE):
+        return f"the full logits need {need / 2**30:.1f} GiB, over {LOGITS_MEMORY_SHARE:.0%} of the least free memory of any rank ({limits.free / 2**30:.1f} GiB)"  # fmt: skip
+    return None
 
 
 def _bf16_native(device: str, cuda: bool, wants_bf16: bool, measure, out: Choices) -> bool:
@@ -247,7 +292,7 @@ def _dtype_candidates(dtype: str, cuda: bool, native: bool, fsdp: bool, out: Cho
     if dtype != "auto":
         dtypes, out.how["dtype"] = [dtype], "config"
     elif cuda:  # float32 (TF32 if set) against the GPU's fast dtype, where that is not float32
-        low = auto_cuda_dtype(fsdp)
+        low = auto_cuda_dtype(fsdp) if native else ("float32" if fsdp else "float16")
         dtypes, out.how["dtype"] = ["float32"] + [low] * (low != "float32"), "measured"
     else:
         dtypes, out.how["dtype"] = ["float32"] + ["bfloat16"] * native, "measured"
@@ -326,17 +371,18 @@ def _decide_muon(device, s: Shapes, muon_dtype, native: bool, measure, out: Choi
         out.how["muon_dtype"] = "config"
 
 
-def _decide_loss(device, s: Shapes, loss, compiled: bool, measure, out: Choices) -> None:
+def _decide_loss(device, s: Shapes, loss, compiled: bool, measure, out: Choices, no_room) -> None:
     """out.loss (loss None: left None): as asked, or for auto chunked unless full is clearly
-    faster on the run's head and loss, timed where a GPU has the memory for the full logits."""
+    faster on the run's head and loss, timed where every rank has the memory for the full logits
+    (`no_room()`: why they do not fit, or None)."""
     if loss != "auto":
         out.loss = loss
         out.how.update({"loss": "config"} if loss else {})
         return
     cuda, total = device.startswith("cuda"), s.micro_batch * s.seq_len
-    out.loss, need = "chunked", total * s.padded_vocab * FULL_LOGITS_BYTES
-    if cuda and need > LOGITS_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
-        out.how["loss"] = f"rule: the full logits need {need / 2**30:.1f} GiB, over {LOGITS_MEMORY_SHARE:.0%} of free memory"  # fmt: skip
+    out.loss, why = "chunked", no_room()
+    if why:
+        out.how["loss"] = f"rule: {why}"
         return
     chunk = chunk_rows(total, s.padded_vocab, None, compiled)
     most = (GPU_BLOCK_FLOPS if cuda else BLOCK_FLOPS) / (6 * s.n_embd * s.padded_vocab)
@@ -368,6 +414,7 @@ def decide_muon_split(
     *,
     timer=None,
     cache_path=True,
+    limits: Limits | None = None,
 ) -> tuple[str, str, dict]:
     """optim.muon_split (o: the OptimConfig) for the Muon `matrices`: (choice, how, {mode: ms}),
     the same on every rank (warnings into out.warnings). Untimed: FSDP2 (always split), an explicit
@@ -375,15 +422,29 @@ def decide_muon_split(
     Muon step's orthogonalisations (in out.muon_dtype) timed redundant vs split on every rank at
     once (timing.Lockstep; `timer` replaces it), split unless redundant is clearly faster, cached
     per machine, world size, backend and matrices (a cache hit times nothing); the main process's
-    decision is sent to every rank."""
+    decision is sent to every rank. `limits` (training/facts.py; None: alike): on ranks that
+    differ redundant would leave replicas apart, so it is split by rule, a recorded redundant is
+    decided again (one warning) and an explicit one is a UserError."""
     from gptrain.distributed import runtime as dist
 
+    limits, recorded = limits or ALONE, (saved or {}).get("muon_split")
     if fsdp:
         return "split", "rule: FSDP2 always splits", {}
+    unlike = f"ranks differ ({limits.differ()})" if not limits.alike else None
+    if o.muon_split == "redundant" and unlike and info.world_size > 1:
+        raise UserError(
+            f"optim.muon_split = 'redundant' computes every orthogonalisation on every rank, which keeps replicas identical only on identical devices, but {unlike}; use optim.muon_split=split or auto"
+        )
     if o.muon_split != "auto":
         return o.muon_split, "config", {}
-    if (saved or {}).get("muon_split"):
-        return saved["muon_split"], "checkpoint", {}
+    if recorded and not (recorded == "redundant" and unlike):
+        return recorded, "checkpoint", {}
+    if unlike:
+        if recorded:
+            out.warnings.append(
+                recorded_choices.decided_again("muon_split", recorded, unlike, "split")
+            )
+        return "split", f"rule: {unlike}", {}
     if info.world_size == 1:
         return "split", "rule: one process, the same code", {}
     counts = Counter(tuple(p.shape) for p in matrices)
@@ -391,7 +452,7 @@ def decide_muon_split(
     shape = [info.world_size, backend, sorted([*k, n] for k, n in counts.items())]
     shape += [o.muon_ns_steps, out.muon_dtype]
     path = default_cache_path() if cache_path is True else (cache_path or None)
-    where = f"{machine(info.device)}|torch {torch.__version__}"
+    where = f"{machine(info.device)}|torch {torch.__version__}{limits.cache_key()}"
     names = ["split", "redundant"]  # split first: it wins a tie
     cached = dist.from_main(
         info, lambda: Timings(path, where, None, []).lookup(SPLIT, shape, names)

@@ -18,8 +18,11 @@ shapes. One of the measured speed choices (training/choices.py calls `refuse` an
   largest (the MLP's 768x3072 and 3072x768) can win. The tied output head stays in bf16.
 
 The choice is text: "off", or the converted shapes as in x out ("768x3072,3072x768"). A
-checkpoint records it with the other decisions, so a resumed run converts the same layers; a
-device that cannot run them decides again, with a warning (training/build.py). Under FSDP2 the
+checkpoint records it with the other decisions, so a resumed run converts the same layers; where
+some rank cannot run them (no FP8 matmuls, no torchao, another train.dtype) train.float8 alone is
+decided again, with a warning naming both values (`cannot_run`). On ranks that differ
+(training/facts.py) float8 is a choice only where every rank has FP8 matmuls: auto is off by rule
+otherwise, and on is refused. Under FSDP2 the
 converted layers all-gather their bf16 weights as every layer does and cast them to float8 in
 forward: torchao's float8 all-gather (weights cast before the all-gather, scales precomputed
 after each optimizer step) is not used.
@@ -98,11 +101,32 @@ def parse(choice: str | None) -> tuple[tuple[int, int], ...]:
     return shapes
 
 
-def refuse(device: str, asked: str | None, dtype: str) -> None:
+def no_fp8_anywhere(device: str, limits=None) -> str | None:
+    """Why this device or another rank (`limits`, training/facts.py) has no FP8 matmuls, or None."""
+    why = no_fp8(device)
+    if why is None and limits is not None and not limits.fp8:
+        ranks = ",".join(map(str, limits.no_fp8))
+        why = f"rank(s) {ranks} have none ({limits.differ()})"
+    return why
+
+
+def cannot_run(device: str, dtype: str | None, limits=None) -> str | None:
+    """Why recorded float8 layers cannot run on this run's ranks under train.dtype `dtype`
+    (another dtype than bf16, no FP8 matmuls on some rank, no torchao), or None."""
+    if dtype not in (None, "auto", "bfloat16"):
+        return f"train.dtype = {dtype}, float8 training runs under bf16"
+    why = no_fp8_anywhere(device, limits)
+    if why is None and torchao_version() is None:
+        why = "torchao is not installed"
+    return why
+
+
+def refuse(device: str, asked: str | None, dtype: str, limits=None) -> None:
     """A UserError (one line) where float8 was asked for (`on`, or the shapes a checkpoint
     recorded) but the run computes in another dtype than bf16 (`dtype`: train.dtype, or a
-    checkpoint's), this device has no FP8 matmuls or torchao is missing; nothing for None, off
-    and auto. Imports torchao only where it was asked for and the device has FP8."""
+    checkpoint's), this device or another rank (`limits`) has no FP8 matmuls or torchao is
+    missing; nothing for None, off and auto. Imports torchao only where it was asked for and
+    the device has FP8."""
     if asked in (None, "off", "auto"):
         return
     what = "train.float8 = on" if asked == "on" else f"the checkpoint's float8 layers ({asked})"
@@ -111,7 +135,7 @@ def refuse(device: str, asked: str | None, dtype: str) -> None:
         raise UserError(
             f"{what} computes under bf16 autocast, but train.dtype = {dtype!r}; set --train.dtype=bfloat16 (or auto), or train.float8=auto"
         )
-    why = no_fp8(device)
+    why = no_fp8_anywhere(device, limits)
     if why is not None:
         raise UserError(
             f"{what} needs a GPU with FP8 matmuls (CUDA compute capability >= 8.9), but {why}; use train.float8=auto or off"
@@ -120,12 +144,13 @@ def refuse(device: str, asked: str | None, dtype: str) -> None:
         raise UserError(MISSING)
 
 
-def decide(device, s, asked, dtype, compiled, fsdp, measure, out, pick, most_flops) -> None:
+def decide(device, s, asked, dtype, compiled, fsdp, measure, out, pick, most_flops, limits=None):
     """out.float8 and out.how["float8"] for train.float8 = `asked` (None: not decided here; on,
     off, or a checkpoint's shapes, which `refuse` has checked): auto as the module docstring
     says, on s.linears (choices.Shapes) in the run's `dtype`, compiled where `compiled`, with
     bf16 weights under FSDP2 (`fsdp`) and float32 ones under autocast otherwise; `measure`
-    (timing.Timings) times, `pick` (choices._pick) decides, `most_flops` bounds the rows."""
+    (timing.Timings) times, `pick` (choices._pick) decides, `most_flops` bounds the rows;
+    `limits` (training/facts.py): auto is off by rule where another rank has no FP8 matmuls."""
     if asked is None or (asked == "auto" and no_fp8(device) is not None):
         return
     out.float8, out.how["float8"] = Float8("off"), "config"
@@ -133,7 +158,7 @@ def decide(device, s, asked, dtype, compiled, fsdp, measure, out, pick, most_flo
         out.float8.layers = text(s.linears) if asked == "on" else asked
         return
     version = torchao_version()
-    rule = _off_by_rule(s, dtype, version)
+    rule = no_fp8_anywhere(device, limits) or _off_by_rule(s, dtype, version)
     if rule is not None:
         out.how["float8"] = f"rule: {rule}"
         if rule.startswith("torchao"):
