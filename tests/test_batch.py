@@ -212,18 +212,32 @@ def test_fsdp_fit_predicts_the_peak_and_reserves_the_unsharded_grad_when_accumul
     assert calls == [1, 2]
 
 
-def test_fsdp_fit_agrees_on_the_min_over_ranks_and_fails_before_any_collective_on_oom():
+def test_fsdp_fit_agrees_on_the_min_over_ranks_and_stops_every_rank_alike_on_oom():
+    """After each trial the ranks agree whether it ran out of memory anywhere (`agree`, called
+    once per trial on every rank, before the MIN); where it did, one line naming the trial's size
+    and the ranks, and the MIN is never reached."""
     measure = linear_peak(1000, 100, 50, [])
     none = lambda mb: 0  # noqa: E731
-    seen = []
+    seen, agreed = [], []
     other_rank_fits = lambda mb: seen.append(mb) or min(mb, 2)  # noqa: E731
-    assert batch.fsdp_fit([8, 4, 2, 1], measure, 1000, 10_000, none, other_rank_fits) == 2
-    assert seen == [8]  # this rank's own choice, once
-    for oom_at in (1, 2):  # out of memory in a trial: a UserError at once, no MIN
-        oom = lambda mb: None if mb == oom_at else 1100  # noqa: E731, B023
-        with pytest.raises(UserError, match=r"auto: not even 1 sequence\(s\) per process fit") as e:
-            batch.fsdp_fit([8, 4, 2, 1], oom, 1000, 10_000, none, other_rank_fits)
+    everyone_fits = lambda fitted: agreed.append(fitted) or []  # noqa: E731
+    assert batch.fsdp_fit([8, 4, 2, 1], measure, 1000, 10_000, none, other_rank_fits, everyone_fits) == 2  # fmt: skip
+    assert seen == [8] and agreed == [True, True]  # this rank's own choice, once
+    for oom_at in (1, 2):  # this rank fits, rank 1 ran out of memory in the trial of oom_at
+        agreed.clear()
+
+        def rank1(fitted, at=oom_at):
+            agreed.append(fitted)
+            return [1] if len(agreed) == at else []
+
+        with pytest.raises(UserError) as e:
+            batch.fsdp_fit([8, 4, 2, 1], measure, 1000, 10_000, none, other_rank_fits, rank1)
+        assert str(e.value).startswith(f"train.micro_batch_size = auto: the FSDP2 trial of {oom_at} sequence(s) per process ran out of GPU memory on rank(s) 1, ")  # fmt: skip
         assert "activation checkpointing" in str(e.value) and "\n" not in str(e.value)
+        assert ("a number below 2" in str(e.value)) == (oom_at == 2) and len(agreed) == oom_at
+    # one process: its own out-of-memory, the same line naming rank 0
+    with pytest.raises(UserError, match=r"trial of 1 sequence\(s\) per process ran out of GPU memory on rank\(s\) 0"):  # fmt: skip
+        batch.fsdp_fit([8, 4, 2, 1], lambda mb: None, 1000, 10_000, none)
     assert seen == [8]
     # the reserve alone does not fit next to the smallest: every rank gets 0 and the same error
     with pytest.raises(UserError, match="not even 1 sequence"):

@@ -17,7 +17,15 @@ auto also has to fit, found by eager trial forward + backward passes on random t
   predicted peak plus its reserve (AdamW state, and with accumulation > 1 under
   dist.fsdp_reduce = last the unsharded float32 gradient FSDP2 keeps between micro-steps) fits
   in 90% of its memory, and one all-reduce MIN
-  after all trials makes the ranks agree. Out of memory in a trial ends the run with a UserError.
+  after all trials makes the ranks agree. After each trial the ranks agree whether it ran out of
+  memory anywhere (one all-reduce of a CPU flag per rank, over gloo, before anything waits on the
+  device: a rank whose peer left a collective would wait forever for it there); if it did, every
+  rank stops with the same line naming the ranks (a UserError, exit 2).
+
+A resumed run reuses the micro-batch its checkpoint recorded (`resolve`'s `recorded`): auto keeps
+it where it is still a candidate (it divides the batch at this world size, within the cap) and,
+on a GPU, fits (the trials start from it); otherwise it is decided again with one warning naming
+both values. An explicit micro-batch that differs from the recorded one wins, with one warning.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.errors import UserError
 from gptrain.model.losses import chunk_rows
+from gptrain.training.recorded import decided_again, overrides_line
 
 
 def accumulation_steps(
@@ -130,19 +139,23 @@ def predict_fit(
 
 
 def fsdp_fit(
-    options: list[int], measure, base: int, capacity: int, reserve_for, all_min=None
+    options: list[int], measure, base: int, capacity: int, reserve_for, all_min=None, agree=None
 ) -> int:
     """FSDP2's choice among `options` (largest first): `measure(mb)` runs one trial and returns
-    its peak bytes (None after out-of-memory, raised at once as a UserError: the collectives it
-    was in cannot be rejoined); it runs for the smallest option and for the second smallest when
-    the one-point line says its trial fits in `capacity`, else for the smallest again (a trial's
-    collectives do not depend on mb, so every rank stays in step). Then `predict_fit`, and
-    `all_min(mb)` (MIN over ranks; None on a single process) once, after every trial."""
+    its peak bytes (None after out-of-memory); it runs for the smallest option and for the second
+    smallest when the one-point line says its trial fits in `capacity`, else for the smallest
+    again (a trial's collectives do not depend on mb, so every rank stays in step). After each
+    trial `agree(fitted)` (every rank calls it) gives the ranks whose trial ran out of memory
+    (None: this process alone); any is one UserError, the same on every rank: the collectives
+    such a trial was in cannot be rejoined. Then `predict_fit`, and `all_min(mb)` (MIN over
+    ranks; None on a single process) once, after every trial."""
+    agree = agree or (lambda fitted: [] if fitted else [0])
 
     def peak_of(mb: int) -> int:
         peak = measure(mb)
-        if peak is None:
-            raise _no_fit(small)
+        failed = agree(peak is not None)
+        if failed:
+            raise _trial_oom(mb, failed)
         return peak
 
     small = options[-1]
@@ -161,6 +174,35 @@ def fsdp_fit(
     return mb
 
 
+def _trial_oom(mb: int, ranks: list[int]) -> UserError:
+    return UserError(
+        f"train.micro_batch_size = auto: the FSDP2 trial of {mb} sequence(s) per process ran out of GPU memory on rank(s) {','.join(map(str, ranks))}, "
+        "and a rank that runs out of memory inside FSDP2's collectives cannot rejoin them; "
+        + (f"give train.micro_batch_size a number below {mb}, or " if mb > 1 else "")
+        + "use a shorter train.seq_len, a smaller model, more processes or activation checkpointing"
+    )
+
+
+def failed_ranks(fitted: bool) -> list[int]:
+    """Collective: the ranks whose trial did not fit (each passes `fitted`). One all-reduce of a
+    CPU tensor, one slot per rank: over gloo (under nccl the "cpu:gloo,cuda:nccl" group's),
+    within dist.timeout_s, and without waiting on the device."""
+    if not dist.active():
+        return [] if fitted else [0]
+    flags = torch.zeros(torch.distributed.get_world_size(), dtype=torch.int32)
+    flags[torch.distributed.get_rank()] = 0 if fitted else 1
+    torch.distributed.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def agreed(fitted: bool, device) -> list[int]:
+    """`failed_ranks`, then, where every rank's trial fitted, the trial's cached memory released."""
+    failed = failed_ranks(fitted)
+    if not failed and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return failed
+
+
 def _all_min(value: int, device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
@@ -177,6 +219,7 @@ def trial_fits(
     device,
     compiled: bool = False,
     reserve: bool = True,
+    release: bool = True,
 ) -> bool:
     """One forward + backward of a (mb, seq_len) batch of random tokens, while a buffer the size
     of AdamW's state (2 floats per local parameter) is held unless `reserve` is False; False on
@@ -187,7 +230,8 @@ def trial_fits(
     forked RNG), so training is unchanged by it. DDP: without gradient communication (the
     gradients stay in .grad, cleared below). FSDP2: with it, as on a last micro-step: without
     sync FSDP2 would keep the unsharded gradient in its own buffers, out of zero_grad's reach,
-    and add it to the first real step's."""
+    and add it to the first real step's. `release` False: the cached memory is not released
+    (that waits on the device, which FSDP2's peers may have left stuck in a collective)."""
     fsdp = parallelize.syncs_per_block(wrapped)
     oom, rows = False, model.loss_chunk_rows
     if compiled and not fsdp:  # FSDP compiles block by block: its loss runs eager
@@ -211,7 +255,7 @@ def trial_fits(
     model.zero_grad(set_to_none=True)
     if oom:
         gc.collect()
-    if device.type == "cuda":
+    if device.type == "cuda" and (release or oom):  # this rank's collectives all completed
         torch.cuda.empty_cache()
     return not oom
 
@@ -220,9 +264,9 @@ def trial_peak(
     wrapped, model, autocast, mb: int, seq_len: int, vocab_size: int, device
 ) -> int | None:
     """The CUDA peak bytes allocated during `trial_fits` without its reserve (FSDP2: with its
-    collectives); None on out-of-memory."""
+    collectives), its cached memory not released (see `agreed`); None on out-of-memory."""
     torch.cuda.reset_peak_memory_stats(device)
-    ok = trial_fits(wrapped, model, autocast, mb, seq_len, vocab_size, device, reserve=False)
+    ok = trial_fits(wrapped, model, autocast, mb, seq_len, vocab_size, device, reserve=False, release=False)  # fmt: skip
     return torch.cuda.max_memory_allocated(device) if ok else None
 
 
@@ -246,38 +290,67 @@ def resolve(
     autocast=None,
     vocab_size: int = 0,
     options: list[int] | None = None,
+    recorded: int | None = None,
+    warnings: list | None = None,
 ) -> tuple[int, int]:
     """(micro-batch, accumulation steps) for this run: plan(), then on CUDA with auto the largest
     candidate that fits on every rank (needs the wrapped model, its autocast and the vocabulary):
-    `fsdp_fit` under FSDP2, else `fit`."""
+    `fsdp_fit` under FSDP2, else `fit`. `recorded`: the micro-batch a resumed checkpoint recorded
+    (Choices.record()), reused as the module docstring says; its warnings go into `warnings`."""
     options = options or candidates(t, info.world_size)  # `options`: start's, passed on
+    options, why = _from_record(t, info.world_size, options, recorded, warnings)
     mb = options[0]
     if runs_trials(t, info) and wrapped is not None:
         device = torch.device(info.device)
-        all_min = (lambda v: _all_min(v, device)) if dist.active() else None
-        if parallelize.syncs_per_block(wrapped):
-            local = parallelize.local_numel(model)
-            full = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole
-
-            whole = not parallelize.syncs_every_micro_step(wrapped)
-
-            def reserve_for(m: int) -> int:  # AdamW m and v; an unsharded grad when accumulating
-                accum = accumulation_steps(t.total_batch_size, m, t.seq_len, info.world_size)
-                return 8 * local + (4 * full if accum > 1 and whole else 0)
-
-            mb = fsdp_fit(
-                options,
-                lambda m: trial_peak(wrapped, model, autocast, m, t.seq_len, vocab_size, device),
-                *_memory(device),
-                reserve_for,
-                all_min,
-            )
-        else:
-            mb = fit(
-                options,
-                lambda m: trial_fits(
-                    wrapped, model, autocast, m, t.seq_len, vocab_size, device, t.compile
-                ),
-                all_min,
-            )
+        mb = _trials(t, info, wrapped, model, autocast, vocab_size, options, device)
+    if why or (recorded and t.micro_batch_size == "auto" and mb != recorded):
+        why = why or "it does not fit in GPU memory here"
+        (warnings if warnings is not None else []).append(
+            decided_again("micro_batch_size", recorded, why, mb)
+        )
     return mb, accumulation_steps(t.total_batch_size, mb, t.seq_len, info.world_size)
+
+
+def _from_record(t: TrainConfig, world: int, options: list[int], recorded, warnings):
+    """(the options a run tries, why the `recorded` micro-batch cannot run here or None): auto
+    tries the recorded one first, then smaller ones; an explicit one that differs is a warning."""
+    if not recorded:
+        return options, None
+    if t.micro_batch_size != "auto":
+        if t.micro_batch_size != recorded and warnings is not None:
+            warnings.append(overrides_line("micro_batch_size", t.micro_batch_size, recorded))
+        return options, None
+    if recorded in options:
+        return [o for o in options if o <= recorded], None
+    n = sequences_per_rank(t.total_batch_size, t.seq_len, world)
+    why = f"it does not divide the {n} sequences per process at world size {world}"
+    if n % recorded == 0:
+        why = f"it is over train.micro_batch_cap = {t.micro_batch_cap}"
+    return options, why
+
+
+def _trials(t: TrainConfig, info, wrapped, model, autocast, vocab_size: int, options, device):
+    """The largest of `options` that fits on every rank, by trial steps (see `resolve`)."""
+    all_min = (lambda v: _all_min(v, device)) if dist.active() else None
+    if parallelize.syncs_per_block(wrapped):
+        local = parallelize.local_numel(model)
+        full = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole
+        whole = not parallelize.syncs_every_micro_step(wrapped)
+
+        def reserve_for(m: int) -> int:  # AdamW m and v; an unsharded grad when accumulating
+            accum = accumulation_steps(t.total_batch_size, m, t.seq_len, info.world_size)
+            return 8 * local + (4 * full if accum > 1 and whole else 0)
+
+        return fsdp_fit(
+            options,
+            lambda m: trial_peak(wrapped, model, autocast, m, t.seq_len, vocab_size, device),
+            *_memory(device),
+            reserve_for,
+            all_min,
+            lambda fitted: agreed(fitted, device),
+        )
+    return fit(
+        options,
+        lambda m: trial_fits(wrapped, model, autocast, m, t.seq_len, vocab_size, device, t.compile),
+        all_min,
+    )
