@@ -97,3 +97,47 @@ def test_the_blocks_never_share_a_cached_timing():
     gelu, bias = block_key(n)
     assert gelu.split()[0] == "nanochat" and gelu != block_key(g)[0] and bias is False
     assert str(n.config.shape_key()[-1]) in gelu
+
+
+def test_bench_times_nanochat_and_its_mfu_uses_the_models_flops(tmp_path, capsys):
+    """`gptrain bench --model.arch=nanochat`: a row whose MFU is tokens/s x NanoChat's own
+    flops_per_token over the peak (the model's count, not GPT-2's formula)."""
+    out = tmp_path / "rows.json"
+    argv = ["bench", "--config", DEBUG, "--model.arch=nanochat", "--steps", "1", "--warmup", "0"]
+    assert cli([*argv, "--json", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("bench: nanochat 2 layers")
+    (row,) = json.loads(out.read_text())
+    model = build_model(load_config(DEBUG, ["model.arch=nanochat"]), 257, meta=True)
+    assert isinstance(model, nanochat.NanoChat)
+    flops = row["tok_per_s"] * model.flops_per_token(64) / (row["peak_tflops"] * 1e12)
+    assert row["mfu"] == pytest.approx(flops, rel=1e-6)
+
+
+def test_nanochat_activation_checkpointing_keeps_loss_gradients_and_keys():
+    """wrap_model's per-block activation checkpointing on nanochat (dropout on: the recompute
+    replays its masks): the same loss and gradients, bit for bit, and plain state-dict keys."""
+    from gptrain.config.sections import DistConfig
+    from gptrain.distributed import parallelize
+    from gptrain.distributed.runtime import DistInfo
+
+    def loss_and_grads(ac: str):
+        cfg = load_config(DEBUG, ["model.arch=nanochat", "model.dropout=0.1", "model.n_head=4", "model.n_kv_head=2"])  # fmt: skip
+        torch.manual_seed(0)
+        model = build_model(cfg, 257)
+        parallelize.wrap_model(model, DistConfig(), info=DistInfo(), compile=False, param_dtype=torch.float32, activation_checkpointing=ac)  # fmt: skip
+        x = torch.randint(0, 257, (4, 32), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(2)
+        _, loss = model(x, x)
+        loss.backward()
+        return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    plain, loss, grads = loss_and_grads("none")
+    ac, loss_ac, grads_ac = loss_and_grads("blocks")
+    assert torch.equal(loss, loss_ac) and list(ac.state_dict()) == list(plain.state_dict())
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_ac[name], g, rtol=0, atol=0, msg=name)
+    calls = []  # it recomputes: block 0's attention runs again during backward
+    ac.transformer.h[0].attn.register_forward_hook(lambda *a: calls.append(1))
+    x = torch.zeros(1, 8, dtype=torch.long)
+    ac(x, x)[1].backward()
+    assert len(calls) == 2

@@ -153,7 +153,7 @@ def main(argv: list[str]) -> int:
         if info.is_main:
             m = cfg.model
             print(
-                f"bench: {m.preset or f'{m.n_layer} layers, {m.n_head} heads, width {m.n_embd}'}, seq_len {cfg.train.seq_len}, "
+                f"bench: {m.arch} {m.preset or f'{m.n_layer} layers, {m.n_head} heads, width {m.n_embd}'}, seq_len {cfg.train.seq_len}, "
                 f"micro-batch {cfg.train.micro_batch_size}, {cfg.train.total_batch_size} tokens/step, device {info.device}, "
                 f"{torch.get_num_threads()} threads"
             )
