@@ -172,7 +172,42 @@ def test_val_batches_fixed_and_aligned(ds, world):
                     assert (yr != -1).all() and torch.equal(xr[1:], yr[:-1])
                     rows.append(int(xr[0]))
     assert sum(int((y != -1).sum()) for b in per_rank for _, y in b) == 15 * seq_len
-    assert sorted(rows) == [10_000 + i * seq_len for i in range(15)]  # identical on any world size
+    # 15 of the split's 699 // 32 = 21 window slots, evenly spaced: slot i * 21 // 15
+    assert sorted(rows) == [10_000 + (i * 21 // 15) * seq_len for i in range(15)]  # any world size
+
+
+def test_the_val_sample_covers_every_source_in_proportion_on_any_world_size(tmp_path):
+    """A val split written source by source (three shards of 3000, 1000 and 6000 tokens, each
+    source's tokens in its own range): 100 windows of 16 tokens fall on each source in proportion
+    to its tokens (within a window), the same windows on 1 and 2 ranks, and the regime's val
+    tokens (gptrain/data/unigram.py) are their targets."""
+    from gptrain.data.unigram import val_targets
+
+    sizes, shards = (3000, 1000, 6000), []
+    for k, n in enumerate(sizes):
+        tokens = np.arange(n) + 100_000 * (k + 1)  # source k: 100000 (k + 1) + position
+        shards.append({**write_shard(tmp_path / f"val_{k:06d}.bin", tokens, HASH, 10**6), "split": "val"})  # fmt: skip
+    train = write_shard(tmp_path / "train_000000.bin", np.arange(100), HASH, 10**6)
+    ident = {"name": "synthetic", "vocab_size": 10**6, "eot_id": 0, "hash": HASH}
+    manifest = {"tokenizer": ident, "vocab_size": 10**6, "eot_id": 0}
+    write_manifest(tmp_path, manifest | {"shards": [{**train, "split": "train"}, *shards]})
+    ds, seq_len = Dataset(tmp_path), 16
+    worlds = {}
+    for world in (1, 2):
+        rows = []
+        for rank in range(world):
+            for x, y in val_batches(ds, seq_len, 8, 100 * seq_len, rank, world):
+                rows += [(tuple(xr.tolist()), tuple(yr.tolist())) for xr, yr in zip(x, y, strict=True) if (yr != -1).all()]  # fmt: skip
+        worlds[world] = sorted(rows)
+    assert worlds[1] == worlds[2] and len(worlds[1]) == 100
+    seen = np.array([t for x, _ in worlds[1] for t in x])
+    for k, n in enumerate(sizes):
+        share = np.mean((seen // 100_000) == k + 1)
+        assert abs(share - n / sum(sizes)) <= seq_len / len(seen) + 1e-12, (k, share)
+    targets = val_targets(ds, seq_len, 100 * seq_len)
+    assert sorted(targets.tolist()) == sorted(t for _, y in worlds[1] for t in y)
+    whole = val_targets(ds, seq_len, 10**6)  # more than the split holds: all of it
+    assert len(whole) == (sum(sizes) - 1) // seq_len * seq_len
 
 
 def test_val_split_too_short(tmp_path):

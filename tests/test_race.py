@@ -195,8 +195,9 @@ def test_the_unigram_cross_entropy_equals_a_hand_computation(monkeypatch):
 
 
 def unigram_reference(data_dir, seq_len: int, eval_tokens: int) -> float:
-    """The regime by plain Python: Counter over the train tokens, the targets of the first
-    eval_tokens // seq_len val windows, the add-one-smoothed log-probabilities summed with fsum."""
+    """The regime by plain Python: Counter over the train tokens, the targets of n =
+    eval_tokens // seq_len val windows evenly spaced over the split's (len - 1) // seq_len
+    window slots (slot i * slots // n), the add-one-smoothed log-probabilities summed with fsum."""
     from collections import Counter
 
     from gptrain.data.loader import Dataset
@@ -206,7 +207,10 @@ def unigram_reference(data_dir, seq_len: int, eval_tokens: int) -> float:
     for shard in data.shards["train"]:
         train.update(int(t) for t in shard[:])
     val = [int(t) for shard in data.shards["val"] for t in shard[:]]
-    targets = val[1 : (eval_tokens // seq_len) * seq_len + 1]
+    slots = (len(val) - 1) // seq_len
+    n = min(eval_tokens // seq_len, slots)
+    starts = [(i * slots // n) * seq_len for i in range(n)]
+    targets = [t for a in starts for t in val[a + 1 : a + seq_len + 1]]
     n, v = sum(train.values()), data.vocab_size
     return -math.fsum(math.log((train[t] + 1) / (n + v)) for t in targets) / len(targets)
 
@@ -453,8 +457,11 @@ def test_a_run_ending_without_its_summary_is_run_once_more_and_a_signalled_one_s
     calls.clear()  # a run that never writes its summary: run twice, then the race stops
     monkeypatch.setattr(race_cmd, "_train_in_process", lambda a: calls.append(a) or 0)
     argv[argv.index("--out") + 1] = str(tmp_path / "another")
-    assert cli(argv) == 0 and len(calls) == 2
-    assert "ended twice without writing summary.json" in capsys.readouterr().err
+    assert cli(argv) == race_cmd.RUN_FAILED == 3 and len(calls) == 2
+    err = capsys.readouterr().err
+    assert (
+        "gptrain race: a run failed: " in err and "ended twice without writing summary.json" in err
+    )
 
 
 def test_a_signal_at_a_runs_end_stops_the_race_after_that_run(
@@ -683,6 +690,9 @@ def test_jobs_are_refused_for_runs_on_a_gpu_and_for_runs_of_several_processes(co
         ("out empty", "--out is empty; name the race's folder"),
         ("jobs 0", "--jobs '0': give the number of CPU runs to train at a time"),
         ("jobs not a number", "--jobs 'two': give the number of CPU runs to train at a time"),
+        ("jobs a superscript digit", "--jobs '²': give the number of CPU runs to train at a time"),
+        ("config empty", "--config is empty; name a config file to race"),
+        ("config named as a rung", "its name in the race, debug@2, is also a rung of the ladder"),
         ("plan not JSON", "is not a race's plan (not JSON: "),
         ("plan not an object", "is not a race's plan (not an object whose configs map"),
         ("plan of no configs", "is not a race's plan (not an object whose configs map"),
@@ -698,7 +708,15 @@ def test_bad_input_is_one_line_and_nothing_is_written(
     monkeypatch.chdir(cwd)
     more = {"target": ["--target", "low"], "seeds": ["--seeds", "1"]}.get(case, [])
     more = {"jobs 0": ["--jobs", "0"], "jobs not a number": ["--jobs", "two"]}.get(case, more)
+    more = {"jobs a superscript digit": ["--jobs", "²"]}.get(case, more)
     argv = race_args(configs, out, byte_data, *more)
+    if case == "config empty":
+        argv[argv.index(configs[1]) - 1 : argv.index(configs[1]) + 1] = ["--config="]
+    elif case == "config named as a rung":  # debug@1, debug@2 and the file debug@2.toml
+        named = tmp_path / "debug@2.toml"
+        named.write_text(open(configs[1]).read())
+        argv[argv.index(configs[1])] = str(named)
+        argv += ["--ladder", "1,2"]
     if case == "data":  # the baseline on the built-in corpus, the other config on a folder
         other = tmp_path / "other.toml"
         other.write_text(
@@ -753,3 +771,44 @@ def test_the_resolved_config_loads_back_equal_even_with_a_newline_in_a_string(tm
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, sample_prompt=prompt))
     (tmp_path / "c.toml").write_text(to_toml(cfg))
     assert load_config(str(tmp_path / "c.toml")) == cfg
+
+
+def test_a_failed_run_is_never_exit_0_and_no_finished_baseline_is_not_bad_input(
+    configs, byte_data, tmp_path, monkeypatch, capsys
+):
+    """A run that crashes is recorded and the race writes what finished, then exits
+    RUN_FAILED; every baseline run failing is RUN_FAILED too, not bad input's 2."""
+    in_process = race_cmd._train_in_process
+
+    def crash_fast_seed_2(argv_run):
+        if argv_run[-1].endswith("fast/seed_2"):
+            raise RuntimeError("a crash")
+        return in_process(argv_run)
+
+    monkeypatch.setattr(race_cmd, "_train_in_process", crash_fast_seed_2)
+    out = tmp_path / "race"
+    assert cli(race_args(configs, out, byte_data)) == race_cmd.RUN_FAILED
+    err = capsys.readouterr().err
+    assert "a run failed: 1 of 4" in err and "fast/seed_2 (failed (exit 1))" in err
+    race = json.loads((out / "race.json").read_text())
+    assert [r["status"] for r in race["runs"]].count("done") == 3
+    monkeypatch.setattr(race_cmd, "_train_in_process", lambda a: 1)
+    assert cli(race_args(configs, tmp_path / "none", byte_data)) == race_cmd.RUN_FAILED
+    assert "a run failed: no run of the baseline debug finished" in capsys.readouterr().err
+
+
+def test_with_jobs_a_runs_bad_input_stops_the_race_as_one_at_a_time(
+    configs, byte_data, tmp_path, monkeypatch, capsys
+):
+    """A data folder that does not exist is found by each run's gptrain train: with --jobs 2 as
+    one at a time, the race stops with exit 2 and the run's own line, writing no result."""
+    monkeypatch.setattr(
+        race_cmd, "subprocess", SimpleNamespace(Popen=forked.Popen, STDOUT=subprocess.STDOUT)
+    )
+    for jobs in ("1", "2"):
+        out = tmp_path / f"jobs{jobs}"
+        argv = race_args(configs, out, tmp_path / "missing", "--jobs", jobs)
+        assert cli(argv) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith("gptrain: error: ") and "missing" in line, line
+        assert "no run of the baseline" not in line and not (out / "race.json").exists()

@@ -35,6 +35,12 @@ train's own resume; a run ending without its summary.json and without a signal i
 more. At the end: DIR/race.json (every run's curve and numbers, each config's statistics, the
 regime from DIR/unigram.json), DIR/race.png, and the markdown table on stdout. The statistics
 are explained in docs/race.md.
+
+Exit codes: 0 every run finished (or the race was stopped by a signal, to continue); 2 bad input
+(one line, nothing written), also when a run's own gptrain train refuses its input, one at a
+time or with --jobs alike (the race stops); 3 (RUN_FAILED) a run failed: it crashed, diverged,
+or ended twice without its summary.json (the race stops there), or no run of the baseline
+finished; the runs that finished are still in race.json and the table where they suffice.
 """
 
 from __future__ import annotations
@@ -74,10 +80,15 @@ from gptrain.training import attempts
 
 UNIGRAM = "unigram.json"  # the regime's cache in the race's folder
 STOP_WAIT_S = 120.0  # how long a stopped race waits for its runs in progress to save and exit
+RUN_FAILED = 3  # the exit code of a race in which a run failed (bad input is 2)
 
 
 class Stopped(Exception):
     """A run was stopped by a signal (preemption): the race stops too, and continues next time."""
+
+
+class RunFailed(Exception):
+    """A run failed in a way that stops the race (exit RUN_FAILED)."""
 
 
 def _train_in_process(argv: list[str]) -> int:
@@ -198,7 +209,7 @@ def unfinished(job: Job, code: int, again: bool) -> bool:
             f"{job.run_dir} was stopped by a signal (its checkpoint is saved); run the same command to continue the race"
         )
     if again:
-        raise Stopped(
+        raise RunFailed(
             f"{job.run_dir} ended twice without writing summary.json, not stopped by a signal; see its train.log, then run the same command to continue the race"
         )
     print(
@@ -227,6 +238,8 @@ def _run_parallel(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[
                         continue
                     log.close()
                     del running[i]
+                    if proc.returncode == UserError.exit_code:  # bad input: as one at a time
+                        raise UserError(f"{job.run_dir}: {_error_line(log.name)}")
                     if unfinished(job, proc.returncode, job in again):
                         again.add(job)
                         pending.insert(0, job)
@@ -242,6 +255,17 @@ def _run_parallel(jobs: list[Job], slots: list[str | None], logs: Path) -> dict[
             f"stopped by {signal.Signals(received[0]).name}: the runs in progress were passed the signal and have stopped; run the same command to continue the race"
         )
     return codes
+
+
+def _error_line(path: str) -> str:
+    """A run's one-line error from its log (gptrain train's "gptrain: error: ..."), or where
+    to look for it."""
+    with contextlib.suppress(OSError):
+        lines = Path(path).read_text(errors="replace").splitlines()
+        for line in reversed(lines):
+            if line.startswith("gptrain: error: "):
+                return line[len("gptrain: error: ") :]
+    return f"its gptrain train exited 2 (bad input); see {path}"
 
 
 def _start(job: Job, slot: str | None, logs: Path) -> tuple:
@@ -309,7 +333,7 @@ def flops_per_token(cfg: Config) -> float:
 def regime(out: Path, cfg: Config) -> dict:
     """The unigram entropy of the val tokens the baseline scores, under its train split's counts
     (gptrain/data/unigram.py), computed once: cached in OUT/unigram.json, keyed by the data's
-    manifest, seq_len and eval.tokens."""
+    manifest, seq_len, eval.tokens and how the val windows are chosen."""
     from gptrain.data.prepare import resolve_data_dir
     from gptrain.data.unigram import unigram_entropy
 
@@ -319,6 +343,7 @@ def regime(out: Path, cfg: Config) -> dict:
         "manifest_sha256": manifest,
         "seq_len": cfg.train.seq_len,
         "eval_tokens": cfg.eval.tokens,
+        "val_windows": "evenly spaced over the split",  # gptrain/data/loader.py's val_windows
     }
     path = out / UNIGRAM
     with contextlib.suppress(OSError, ValueError, AttributeError, KeyError):
@@ -382,17 +407,35 @@ def _race(args: Args, p: Plan, argv: list[str], held: RunLock) -> int:
     except Stopped as e:
         print(f"gptrain race: {e}", file=sys.stderr)
         return 0
+    except RunFailed as e:
+        print(f"gptrain race: a run failed: {e}", file=sys.stderr)
+        return RUN_FAILED
     fpt = {label: flops_per_token(cfg) for label, cfg in zip(labels, cfgs, strict=True)}
     runs = [record(job, codes[job], fpt[job.label]) for job in jobs]
+    failed = [f"{r['dir']} ({r['status']})" for r in runs if r["status"] != "done"]
     if not any(r["status"] == "done" for r in runs if r["config"] == labels[0]):
-        raise UserError(
-            f"no run of the baseline {labels[0]} finished (see {args.out}/{labels[0]}/*/train.log); fix the cause and run the same command to continue"
+        print(
+            f"gptrain race: a run failed: no run of the baseline {labels[0]} finished (see {args.out}/{labels[0]}/*/train.log); fix the cause and run the same command to continue",
+            file=sys.stderr,
         )
+        return RUN_FAILED
     held.check()  # another race took OUT over (this one's heartbeat was late): LockLost
     race = {"command": ["gptrain", "race", *argv], "seeds": args.seeds}
-    race |= analyse(runs, labels, args.target, p.rungs, regime(args.out, cfgs[0]))
+    try:
+        race |= analyse(runs, labels, args.target, p.rungs, regime(args.out, cfgs[0]))
+    except UserError as e:
+        if not failed:
+            raise
+        print(f"gptrain race: a run failed: {failed[0]}, so {e}", file=sys.stderr)
+        return RUN_FAILED
     atomic_write_bytes(args.out / "race.json", json.dumps(race, indent=1).encode())
     plot_race(race, args.out / "race.png")
     print(markdown_table(race))
     print(f"\nrace.json and race.png in {args.out}", file=sys.stderr)
+    if failed:
+        print(
+            f"gptrain race: a run failed: {len(failed)} of {len(runs)} ({', '.join(failed)}); race.json holds the others; see each run's train.log",
+            file=sys.stderr,
+        )
+        return RUN_FAILED
     return 0

@@ -82,6 +82,10 @@ def parse_args(argv: list[str], usage: str) -> Args:
         raise UserError(
             "gptrain race needs --config FILE, the baseline first, then each config to compare, e.g. --config a.toml --config b.toml"
         )
+    if any(not c.strip() for c in values["config"]):
+        raise UserError(
+            "--config is empty; name a config file to race, e.g. --config configs/race.toml (one --config per config, the baseline first)"
+        )
     labels = run_labels(values["config"])
     out = _out(values["out"][-1] if values["out"] else str(Path("races") / "-vs-".join(labels)))
     ladder = _ladder(values["ladder"][-1]) if values["ladder"] else None
@@ -93,11 +97,12 @@ def parse_args(argv: list[str], usage: str) -> Args:
 
 
 def _jobs(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdigit()) or int(digits) < 1:
         raise UserError(
             f"--jobs {text!r}: give the number of CPU runs to train at a time, 1 or more, e.g. --jobs 2"
         )
-    return int(text)
+    return int(digits)
 
 
 def _out(text: str) -> Path:
@@ -234,6 +239,11 @@ def plan(args: Args) -> Plan:
         else:
             entries.append((label, path, extra))
     labels = [label for label, _, _ in entries]
+    for n, (label, path, _) in enumerate(entries):
+        if label in labels[:n]:
+            raise UserError(
+                f"--config {path}: its name in the race, {label}, is also a rung of the ladder of {entries[0][1]}; rename the file (its name without '@')"
+            )
     cfgs = [load_config(path, extra) for _, path, extra in entries]
     files = {label: path for label, path, _ in entries}
     check_comparable(list(files.values()), cfgs)

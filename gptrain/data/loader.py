@@ -16,8 +16,10 @@ of micro_batch_size: the k-th global batch never depends on the world size, and 
 at any step on any world size from `state_dict()`. The next batch is prepared in a background
 thread (pinned memory and a non_blocking copy when the device is CUDA).
 
-Validation (`val_batches`) reads the first eval_tokens // seq_len non-overlapping windows of the
-val split: the same tokens on every run and world size.
+Validation (`val_batches`) reads eval_tokens // seq_len non-overlapping windows spread evenly
+over the whole val split (`val_windows`; all of them where eval_tokens covers the split, which is
+then clamped to it): a split written source by source is scored on every source in proportion to
+its tokens, the same tokens on every run and world size.
 """
 
 from __future__ import annotations
@@ -234,6 +236,33 @@ class TrainLoader:
         self._ahead = None
 
 
+def val_windows(dataset: Dataset, seq_len: int, eval_tokens: int) -> np.ndarray:
+    """The val windows an evaluation scores, (n, seq_len + 1) token ids: of the split's
+    `available` = (tokens - 1) // seq_len non-overlapping window slots, n = eval_tokens // seq_len
+    (at least 1, at most `available`) evenly spaced ones, slot floor(i * available / n) for
+    i < n. The split is read as one stream (a window may span two shards); only these windows
+    are read."""
+    shards = dataset.shards["val"]
+    lengths = [len(s) for s in shards]
+    total = sum(lengths)
+    available = (total - 1) // seq_len if total > seq_len else 0
+    if available == 0:
+        raise UserError(
+            f"the val split of {dataset.data_dir} has {total} tokens, fewer than one window of seq_len {seq_len} + 1; prepare more validation data (--val-fraction / --val-tokens) or use a shorter seq_len"
+        )
+    n = min(max(eval_tokens // seq_len, 1), available)
+    firsts = np.cumsum([0, *lengths[:-1]])  # each shard's first position in the stream
+    out = np.empty((n, seq_len + 1), dtype=np.int64)
+    for row, slot in enumerate(np.arange(n, dtype=np.int64) * available // n):
+        pos, got = int(slot) * seq_len, 0
+        i = int(np.searchsorted(firsts, pos, side="right")) - 1
+        while got < seq_len + 1:  # across a shard's end into the next
+            piece = shards[i][pos - firsts[i] : pos - firsts[i] + seq_len + 1 - got]
+            out[row, got : got + len(piece)] = piece
+            got, pos, i = got + len(piece), pos + len(piece), i + 1
+    return out
+
+
 def val_batches(
     dataset: Dataset,
     seq_len: int,
@@ -243,27 +272,13 @@ def val_batches(
     world_size: int,
     device="cpu",
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The first eval_tokens // seq_len windows of the val split, window i on rank i % world_size.
+    """The val windows (`val_windows`), window i on rank i % world_size.
 
     Every rank yields the same number of (micro_batch_size, seq_len) batches; rows without a real
     window have y == -1 (the ignore index), so the count of y != -1 over all ranks is windows * seq_len.
     """
-    shards = dataset.shards["val"]
-    total = sum(len(s) for s in shards)
-    available = (total - 1) // seq_len if total > seq_len else 0
-    if available == 0:
-        raise UserError(
-            f"the val split of {dataset.data_dir} has {total} tokens, fewer than one window of seq_len {seq_len} + 1; prepare more validation data (--val-fraction / --val-tokens) or use a shorter seq_len"
-        )
-    n = min(max(eval_tokens // seq_len, 1), available)
-    need = n * seq_len + 1
-    parts, got = [], 0
-    for s in shards:  # only the first `need` tokens are read
-        parts.append(np.asarray(s[: need - got], dtype=np.int64))
-        got += len(parts[-1])
-        if got >= need:
-            break
-    tokens = torch.from_numpy(np.concatenate(parts))
+    windows = torch.from_numpy(val_windows(dataset, seq_len, eval_tokens))
+    n = len(windows)
     mine = list(range(rank, n, world_size))
     per_rank = -(-n // world_size)
     num_batches = -(-per_rank // micro_batch_size)
@@ -272,6 +287,6 @@ def val_batches(
         x = torch.zeros((micro_batch_size, seq_len), dtype=torch.int64)
         y = torch.full((micro_batch_size, seq_len), IGNORE_INDEX, dtype=torch.int64)
         for row, w in enumerate(mine[b * micro_batch_size : (b + 1) * micro_batch_size]):
-            x[row] = tokens[w * seq_len : (w + 1) * seq_len]
-            y[row] = tokens[w * seq_len + 1 : (w + 1) * seq_len + 1]
+            x[row] = windows[w, :-1]
+            y[row] = windows[w, 1:]
         yield x.to(device), y.to(device)

@@ -5,8 +5,8 @@ distribution, the loss of a model that knows only how often each token occurs in
                                             add-one (Laplace) smoothing: p(v) = (c_v + 1) / (N + V)
     val_targets(dataset, seq_len, eval_tokens)
                                             the val tokens an evaluation scores: the targets of
-                                            the first eval_tokens // seq_len windows, as
-                                            gptrain/data/loader.py's val_batches takes them
+                                            the windows gptrain/data/loader.py's val_windows
+                                            spreads over the whole val split
     unigram_entropy(data_dir, seq_len, eval_tokens)
                                             both, from a prepared folder: the train split counted
                                             in chunks of CHUNK tokens with numpy's bincount
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from gptrain.data.loader import Dataset
+from gptrain.data.loader import Dataset, val_windows
 
 CHUNK = 1 << 24  # tokens counted at a time: memory stays bounded whatever the split's size
 SMOOTHING = "add-one (Laplace): p(v) = (count_v + 1) / (train tokens + vocab size)"
@@ -53,18 +53,9 @@ def cross_entropy(train: Iterable, val: Sequence[int], vocab_size: int) -> float
 
 
 def val_targets(dataset: Dataset, seq_len: int, eval_tokens: int) -> np.ndarray:
-    """The targets of the windows an evaluation reads: the first n = eval_tokens // seq_len
-    (at least 1, at most what the split holds) windows of seq_len, i.e. tokens 1 .. n * seq_len."""
-    shards = dataset.shards["val"]
-    total = sum(len(s) for s in shards)
-    n = min(max(eval_tokens // seq_len, 1), (total - 1) // seq_len if total > seq_len else 0)
-    need, parts, got = n * seq_len + 1, [], 0
-    for s in shards:
-        parts.append(np.asarray(s[: need - got], dtype=np.int64))
-        got += len(parts[-1])
-        if got >= need:
-            break
-    return np.concatenate(parts)[1:need] if parts else np.zeros(0, dtype=np.int64)
+    """The targets of the windows an evaluation reads (gptrain/data/loader.py's `val_windows`:
+    evenly spaced over the whole val split), in order."""
+    return val_windows(dataset, seq_len, eval_tokens)[:, 1:].reshape(-1)
 
 
 def unigram_entropy(data_dir, seq_len: int, eval_tokens: int) -> dict:

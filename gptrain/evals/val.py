@@ -1,7 +1,8 @@
 """Evaluation: loss and bits per byte on the fixed validation token budget.
 
-The budget is the first eval.tokens // seq_len windows of the val split: the same tokens on every
-run and world size. Sums (loss x tokens, tokens, bytes) are all-reduced once, so the result is the
+The budget is eval.tokens // seq_len windows spread evenly over the whole val split (every source
+of a split written source by source in proportion; gptrain/data/loader.py's val_windows): the
+same tokens on every run and world size. Sums (loss x tokens, tokens, bytes) are all-reduced once, so the result is the
 exact token mean over all ranks. Bits per byte = total nats / ln 2 / total UTF-8 bytes of the
 target tokens: comparable across tokenizers. Each batch goes through the model's loss path
 (`model(x, y)`: chunked cross-entropy, the (B, T, V) logits never exist), never through logits.
@@ -52,8 +53,8 @@ def evaluate(
 
 
 class ValLoss:
-    """The validation task (evals/task.py's shape): loss and bits per byte on the first
-    `eval_tokens` tokens of the val split, the same tokens on every run and world size."""
+    """The validation task (evals/task.py's shape): loss and bits per byte on `eval_tokens`
+    tokens spread evenly over the val split, the same tokens on every run and world size."""
 
     name = "val"
 

@@ -170,9 +170,11 @@ def crossing_interval(
 
 def interval(rungs: list[list[dict]], candidate: list[dict], level: float = LEVEL) -> dict:
     """The multiplier's interval from the groups' per-seed final losses: {"ci": [lo, hi] (an end
-    None where open), "two_sided": both ends inside the ladder, "interval": the method}. Fewer than MIN_SEEDS
-    runs in a group: UserError (one line)."""
+    None where open), "two_sided": both ends inside the ladder, "interval": the method}; no
+    interval (None) with one rung. Fewer than MIN_SEEDS runs in a group: UserError (one line)."""
     groups = [*rungs, candidate]
+    if len(rungs) < 2:  # one rung interpolates nothing: a bound and its p-value only
+        return {"ci": None, "two_sided": False, "interval": None}
     if min(len(g) for g in groups) < MIN_SEEDS:
         counts = ", ".join(str(len(g)) for g in groups)
         raise UserError(
