@@ -238,8 +238,8 @@ class NanoChat(Generates, nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """nanochat's initialisation (karpathy/nanochat nanochat/gpt.py init_weights @1076f97,
-        the one for this block; later versions add per-layer scalars): wte N(0, 1); c_q, c_k,
+        """nanochat's initialisation (karpathy/nanochat nanochat/gpt.py init_weights, as of the
+        version with this block; later versions add per-layer scalars): wte N(0, 1); c_q, c_k,
         c_v and c_fc uniform on [-s, s] with s = sqrt(3 / n_embd) (std 1/sqrt(n_embd)); both
         c_proj zero (each block starts as the identity); lm_head N(0, 0.001) (so the first loss
         is ~ln(vocab_size))."""
