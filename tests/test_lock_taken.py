@@ -5,11 +5,13 @@ and the main process's heartbeat notice it at once (as it would within checkpoin
 HEARTBEAT_S when a requeued job took over after this one's heartbeat was late). On 1 process and
 on 2 gloo ranks (DDP, FSDP2): every rank ends at step 5's boundary with one line, exit 2, no
 traceback; nothing is saved at step 5 or later (step 4's checkpoint stays `latest`), no metrics
-row, no summary, no ledger line; the other job's lock stays. A rerun meets that lock and is
-refused; once the other job is gone, the same command resumes from step 4 and ends bit for bit
-where an uninterrupted run ends."""
+row, no summary, no ledger line; the other job's lock stays. A rerun meets that lock, its
+heartbeat moving, and is refused; once the other job is gone, the same command resumes from step
+4 and ends bit for bit where an uninterrupted run ends."""
 
+import contextlib
 import json
+import threading
 
 import dist_helpers as h
 import pytest
@@ -20,6 +22,29 @@ from gptrain.checkpoint import manager as checkpoint
 pytestmark = pytest.mark.slow
 
 COMMON = ["--train.max_steps=8", "--train.micro_batch_size=4", *h.FAST, "--checkpoint.every=2"]
+
+
+@contextlib.contextmanager
+def beating(path):
+    """The other job runs: it rewrites its lock's heartbeat (as lock.py's holder does) every
+    0.2 s until the block ends."""
+    stop = threading.Event()
+
+    def beat():
+        content = json.loads(path.read_text())
+        while not stop.wait(0.2):
+            content["beats"] += 1
+            tmp = path.with_name(".lock.tmp-beating")
+            tmp.write_text(json.dumps(content))
+            tmp.replace(path)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def args(byte_data, run_dir, mode):
@@ -53,9 +78,11 @@ def test_a_run_whose_folder_was_taken_over_stops_and_writes_nothing_more(
     ledger = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [r["event"] for r in ledger if r["event"] in ("start", "end")] == ["start"]
 
-    # the other job still holds the folder: refused, nothing written
+    # the other job still holds the folder (its heartbeat moves): refused, nothing written
     before = sorted(p.name for p in run_dir.rglob("*"))
-    rc, _, err = h.wait_all(h.spawn(args(byte_data, run_dir, mode), world=world), h.TIMEOUT)[0]
+    with beating(run_dir / ".lock"):
+        rerun = h.spawn(args(byte_data, run_dir, mode), world=world)
+        rc, _, err = h.wait_all(rerun, h.TIMEOUT)[0]
     assert rc == 2 and "is in use by a drill's job" in err, err[-2000:]
     assert sorted(p.name for p in run_dir.rglob("*")) == before
 

@@ -1,33 +1,37 @@
 """A run folder has one owner: `with RunLock(folder, "gptrain train"): ...`.
 
-The lock is FOLDER/.lock, a JSON object {host, pid, what, started, heartbeat, boot, job, token}, created
-atomically (a complete temporary file hard-linked into place: it exists whole or not at all). While
-it is held a background thread rewrites its heartbeat every HEARTBEAT_S seconds. Another job finds
-it and stops with one line (a UserError, exit 2) unless the lock is stale:
+The lock is FOLDER/.lock, JSON {host, pid, what, started, heartbeat, beats, mono, boot, job,
+token}, created whole (a complete file hard-linked into place) and rewritten by a background
+thread every HEARTBEAT_S (`beats` counts the rewrites, `mono` is this host's monotonic clock).
+Another job finds it and stops with one line (UserError, exit 2) unless its holder has stopped:
 
-- same host (the same boot of it, the same pid namespace): the pid recorded is not running any more;
-- otherwise (another host, this host restarted, another container): its heartbeat is older than STALE_S;
-- its content is not a lock (malformed): data, not a holder;
-- it was taken by an earlier round of this same multi-node job (the same rendezvous): torch's
-  agents stop every worker before a round re-forms, and rank 0 may now be on another node.
+- same host (same boot, pid and time namespaces): its pid is not running, or it runs but `mono`
+  is more than STALE_S old on this host's clock (another program has that pid, or a frozen job);
+- otherwise (another host or container, this host restarted): the lock does not change for
+  STALE_S watched on this host's monotonic clock (read every POLL_S; any change: a live holder,
+  refused). The other host's timestamps are never compared with ours: clock skew cannot make a
+  live lock look stale. An earlier round of this multi-node job is watched for ROUND_STALE_S
+  (torch's agents stop every worker before a round re-forms); a reused rendezvous id never takes
+  over a lock whose heartbeat moves;
+- its content is not a lock (malformed).
 
-A stale lock is taken over with one warning line on stderr (host, pid, heartbeat age), so a job
-killed by SIGKILL, or requeued on another node after its node died, continues. The job whose lock
-was taken over (alive after all: its heartbeat was only late) writes no more there: its heartbeat
-notices and calls `on_lost` (the training loop stops at its next step boundary), and a checkpoint
-it would publish is refused (`check_folder`, called by checkpoint/folder.py): `LockLost`, one
-line, exit 2.
-
-Every change of the lock (create, take over, heartbeat, release) happens while holding flock on
-the folder itself, so two jobs starting at once on one host (or on a filesystem whose flock spans
-hosts) never both win; where flock is not available the atomic creation still admits only one of
-two new owners.
+A stale lock is taken over with one warning line (host, pid, why), safely without flock too:
+the taker creates FOLDER/.lock.claim-HASH-N (HASH: of the stale content it judged; a hard link,
+so one starter gets it), re-reads the lock (changed: judged again), replaces it, re-reads it for
+its own token and removes its claims. A rival finding the claim waits for the lock to change
+and judges again (the new holder is live: its refusal); a claim whose lock does not change for
+CLAIM_WAIT_S (its taker died) is passed over for N + 1. The job taken over (alive after all) writes
+no more there: its heartbeat notices and calls `on_lost` (the loop stops at the next step
+boundary), and a checkpoint it would publish is refused (`check_folder`, from
+checkpoint/folder.py): `LockLost`, one line, exit 2. Every change of the lock also holds flock on
+the folder where the filesystem has it; the watching does not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import secrets
@@ -40,10 +44,17 @@ from pathlib import Path
 from gptrain.errors import UserError, first_line
 
 LOCK = ".lock"
-HEARTBEAT_S = 10.0  # how often the holder refreshes its heartbeat
-STALE_S = 60.0  # a lock of another host not refreshed for this long is stale (its node died)
+CLAIM = ".lock.claim-"  # a takeover's claim: CLAIM + HASH-N
+HEARTBEAT_S = 10.0  # how often the holder rewrites the lock
+STALE_S = 60.0  # a heartbeat that has not moved for this long: its holder stopped
+ROUND_STALE_S = 30.0  # the same for a lock of an earlier round of this job (three beats)
+POLL_S = 0.5  # how often a watched lock is read
+CLAIM_WAIT_S = 10.0  # a claim whose lock has not changed for this long: its taker died
 GUARD_WAIT_S = 10.0  # the longest wait for flock on the folder (held for milliseconds)
 JOB_ENV = "GPTRAIN_JOB"  # RDZV_ID@ENDPOINT, exported by distributed/launch.py to its workers
+
+_monotonic = time.monotonic  # this host's own clock for watching (a test may replace both)
+_sleep = time.sleep
 
 
 class LockLost(UserError):
@@ -63,11 +74,12 @@ def check_folder(path: str | Path) -> None:
 
 
 def _boot_id() -> str:
-    """Where a pid means something (Linux): this boot of the machine and this pid namespace (two
-    containers may share a host name); "" elsewhere."""
+    """Where a pid and the monotonic clock mean something (Linux): this boot of the machine, this
+    pid namespace and this time namespace (two containers may share a host name); "" elsewhere."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+        spaces = [os.readlink(f"/proc/self/ns/{ns}") for ns in ("pid", "time") if os.path.exists(f"/proc/self/ns/{ns}")]  # fmt: skip
+        return " ".join([boot, *spaces])
     except OSError:
         return ""
 
@@ -89,7 +101,7 @@ def _when(t: float) -> str:
 @contextlib.contextmanager
 def _guard(folder: Path):
     """flock on the folder for one change of the lock; given up after GUARD_WAIT_S (a holder that
-    is stopped mid-change) or where the filesystem has no flock: the link stays atomic."""
+    is stopped mid-change) or where the filesystem has no flock: the claims keep it safe."""
     try:
         import fcntl
 
@@ -123,29 +135,29 @@ def _job() -> str:
     return job or (run_id if run_id not in ("", "none") else "")
 
 
-def stale_reason(holder: dict | None, now: float | None = None) -> str | None:
-    """Why a lock's content does not stop this process taking it (None: a live holder)."""
-    now = time.time() if now is None else now
-    if holder is None:
-        return "its content is not a lock"
-    me = (socket.gethostname(), os.getpid())
-    if holder["job"] and holder["job"] == _job() and (holder["host"], holder["pid"]) != me:
-        # one rank 0 per round, and torch's agents stop every worker before a new round starts
-        return f"it was taken in an earlier round of this job ({holder['job']}), whose workers torch's agents stopped"
-    if holder["host"] == socket.gethostname() and holder["boot"] == _boot_id():
-        if _pid_running(holder["pid"]):
-            return None
-        return f"pid {holder['pid']} is not running on {holder['host']}"
-    age = now - holder["heartbeat"]
-    if age > STALE_S:
-        return f"its heartbeat stopped {age:.0f} s ago (stale after {STALE_S:.0f} s)"
-    return None
+def local_verdict(holder: dict) -> str | None:
+    """A lock taken on this host (this boot): why its holder has stopped, None while it runs."""
+    pid, host = holder["pid"], holder["host"]
+    if not _pid_running(pid):
+        return f"pid {pid} is not running on {host}"
+    if holder["mono"] is not None:  # this host's monotonic clock: wall-clock steps do not count
+        age = _monotonic() - holder["mono"]
+    else:
+        age = time.time() - holder["heartbeat"]
+    if age <= STALE_S:
+        return None
+    return f"pid {pid} is running on {host} but the lock's heartbeat stopped {age:.0f} s ago (stale after {STALE_S:.0f} s): another program has that pid now, or the job is frozen"  # fmt: skip
 
 
-def read(path: Path) -> dict | None:
-    """The lock's content, None when it is not a lock (malformed); FileNotFoundError when absent."""
+def watch_s(holder: dict) -> float:
+    """How long another host's lock must not change before it is stale."""
+    return ROUND_STALE_S if holder["job"] and holder["job"] == _job() else STALE_S
+
+
+def parse(raw: bytes) -> dict | None:
+    """A lock's content, None when it is not a lock (malformed)."""
     try:
-        d = json.loads(path.read_bytes())
+        d = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         return None
     types = {"host": str, "pid": int, "what": str, "started": float, "heartbeat": float}
@@ -155,7 +167,14 @@ def read(path: Path) -> dict | None:
     ):
         return None
     extra = {k: str(d.get(k, "")) for k in ("boot", "token", "job")}
+    mono = d.get("mono")
+    extra["mono"] = float(mono) if isinstance(mono, int | float) else None
     return {**d, **extra}
+
+
+def read(path: Path) -> dict | None:
+    """The lock's content, None when it is not a lock (malformed); FileNotFoundError when absent."""
+    return parse(path.read_bytes())
 
 
 class RunLock:
@@ -167,6 +186,7 @@ class RunLock:
         self.path = self.folder / LOCK
         self.what = what
         self.token = ""
+        self.beats = 0
         self.lost: str | None = None  # the line saying another job took the lock over
         self.on_lost = None  # called once with that line, from the heartbeat's thread
         self._losing = threading.Lock()  # the heartbeat and a publish may both notice
@@ -182,7 +202,8 @@ class RunLock:
 
     def _content(self, started: float) -> bytes:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "what": self.what}
-        me |= {"started": started, "heartbeat": time.time(), "boot": _boot_id(), "job": _job()}
+        me |= {"started": started, "heartbeat": time.time(), "beats": self.beats}
+        me |= {"mono": _monotonic(), "boot": _boot_id(), "job": _job()}
         return json.dumps({**me, "token": self.token}).encode()
 
     def _write_tmp(self, data: bytes) -> Path:
@@ -199,8 +220,7 @@ class RunLock:
         self.started = time.time()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            with _guard(self.folder):
-                self._claim()
+            self._claim()
         except OSError as e:  # a folder that cannot be written: bad input, one line
             raise UserError(
                 f"run folder {self.folder}: cannot take its lock {self.path.name} ({type(e).__name__}: {first_line(e)}); check that the folder can be written, or choose another folder"
@@ -212,23 +232,58 @@ class RunLock:
         self._thread.start()
 
     def _claim(self) -> None:
-        """Create the lock, or take over a stale one; a UserError while another job holds it."""
-        while not self._create():
+        """Create the lock, or take over one whose holder stopped; a UserError while another job
+        holds it."""
+        while True:
+            with _guard(self.folder):
+                if self._create():
+                    return
             try:
-                holder = read(self.path)
+                raw = self.path.read_bytes()
+                holder = parse(raw)
+                why = self._verdict(raw, holder)
+                if why is None:
+                    raise UserError(self.refusal(self._current(holder)))
+                if self._take_over(raw, holder, why):
+                    return
             except FileNotFoundError:
                 continue  # released in between: try again
-            why = stale_reason(holder)
-            if why is None:
-                raise UserError(self.refusal(holder))
-            self._take_over(holder, why)
-            return
 
-    def _create(self) -> bool:
-        """The lock created whole (a hard link of a complete file); False when it exists."""
-        tmp = self._write_tmp(self._content(self.started))
+    def _current(self, holder: dict | None) -> dict | None:
+        """The lock as it is now (it may have changed while watched), else `holder`."""
+        with contextlib.suppress(OSError):
+            holder = read(self.path) or holder
+        return holder
+
+    def _verdict(self, raw: bytes, holder: dict | None) -> str | None:
+        """Why the lock `raw` may be taken over, None while its holder runs (may watch it for
+        up to STALE_S); FileNotFoundError when it is released meanwhile."""
+        if holder is None:
+            return "its content is not a lock"
+        if holder["host"] == socket.gethostname() and holder["boot"] == _boot_id():
+            return local_verdict(holder)
+        limit = watch_s(holder)
+        if self._changes(raw, limit):
+            return None
+        why = f"its heartbeat did not move for {limit:.0f} s, watched on this host's clock (a running job's moves every {HEARTBEAT_S:.0f} s)"  # fmt: skip
+        if limit == ROUND_STALE_S:
+            why = f"it was taken in an earlier round of this job ({holder['job']}), whose workers torch's agents stopped: {why}"  # fmt: skip
+        return why
+
+    def _changes(self, raw: bytes, limit_s: float) -> bool:
+        """Whether the lock's content changes from `raw` within `limit_s` seconds of this host's
+        monotonic clock (read every POLL_S); FileNotFoundError when it is removed."""
+        start = _monotonic()
+        while _monotonic() - start < limit_s:
+            _sleep(POLL_S)
+            if self.path.read_bytes() != raw:
+                return True
+        return False
+
+    def _link(self, tmp: Path, dest: Path) -> bool:
+        """`dest` created whole from `tmp` (a hard link); False when it exists."""
         try:
-            os.link(tmp, self.path)
+            os.link(tmp, dest)
             return True
         except FileExistsError:
             return False
@@ -236,33 +291,71 @@ class RunLock:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
                 raise
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 return False
             with os.fdopen(fd, "wb") as f:
                 f.write(tmp.read_bytes())
             return True
+
+    def _create(self) -> bool:
+        """The lock created whole; False when it exists."""
+        tmp = self._write_tmp(self._content(self.started))
+        try:
+            return self._link(tmp, self.path)
         finally:
             tmp.unlink(missing_ok=True)
 
-    def refusal(self, holder: dict) -> str:
+    def refusal(self, holder: dict | None) -> str:
+        if holder is None:
+            return f"run folder {self.folder} is in use by another job (its lock {self.path.name} is being taken over); wait for it or choose another folder"  # fmt: skip
         return (
             f"run folder {self.folder} is in use by {holder['what']} (host {holder['host']}, pid "
             f"{holder['pid']}, since {_when(holder['started'])}); wait for it or choose another folder"
         )
 
-    def _take_over(self, holder: dict | None, why: str) -> None:
-        if holder is None:
-            who = "a malformed lock"
-        else:
-            age = time.time() - holder["heartbeat"]
-            who = f"the lock of {holder['what']} (host {holder['host']}, pid {holder['pid']}, last heartbeat {age:.0f} s ago)"
+    def _take_over(self, raw: bytes, holder: dict | None, why: str) -> bool:
+        """Take over the stale lock `raw`: True once it is this job's; False when it changed
+        meanwhile (judge it again); a UserError when another job took it."""
+        name = f"{CLAIM}{hashlib.sha256(raw).hexdigest()[:16]}-"
+        claims: list[Path] = []
+        tmp = self._write_tmp(self._content(self.started))
+        try:
+            for n in range(1000):
+                claim = self.folder / f"{name}{n}"
+                with _guard(self.folder):
+                    if self._link(tmp, claim):
+                        claims.append(claim)
+                        return self._replace(raw, holder, why, tmp)
+                # another starter is taking it over: its lock comes within milliseconds; one
+                # that does not come (that starter died) is passed over for the next claim
+                if self._changes(raw, CLAIM_WAIT_S):
+                    return False
+            raise UserError(self.refusal(None))
+        finally:
+            tmp.unlink(missing_ok=True)
+            for claim in claims:  # the lock is replaced by now: a late rival re-reads it
+                claim.unlink(missing_ok=True)
+            if claims:
+                for old in self.folder.glob(f"{name}*"):  # claims of takers that died
+                    old.unlink(missing_ok=True)
+
+    def _replace(self, raw: bytes, holder: dict | None, why: str, tmp: Path) -> bool:
+        """Holding the claim: replace the lock if it is still `raw`, then confirm it is ours."""
+        if self.path.read_bytes() != raw:
+            return False
+        os.replace(tmp, self.path)
+        if not self._mine():  # its holder wrote again after all: judged again
+            return False
+        who = "a malformed lock"
+        if holder is not None:
+            who = f"the lock of {holder['what']} (host {holder['host']}, pid {holder['pid']})"
         print(
             f"gptrain: warning: run folder {self.folder}: taking over {who}: {why}",
             file=sys.stderr,
             flush=True,
         )
-        os.replace(self._write_tmp(self._content(self.started)), self.path)
+        return True
 
     def _mine(self) -> bool:
         try:
@@ -319,6 +412,7 @@ class RunLock:
                     if not self._mine():
                         self._lose()
                         return
+                    self.beats += 1  # the content changes every beat: watchers see it move
                     os.replace(self._write_tmp(self._content(self.started)), self.path)
             except OSError as e:  # a filesystem hiccup: the next beat tries again
                 print(f"gptrain: warning: run folder lock heartbeat: {e}", file=sys.stderr)
