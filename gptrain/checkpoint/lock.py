@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -86,11 +87,10 @@ def _boot_id() -> str:
 
 def _pid_running(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        with contextlib.suppress(PermissionError):  # another user's process runs too
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        return True
     return True
 
 
@@ -140,18 +140,12 @@ def local_verdict(holder: dict) -> str | None:
     pid, host = holder["pid"], holder["host"]
     if not _pid_running(pid):
         return f"pid {pid} is not running on {host}"
-    if holder["mono"] is not None:  # this host's monotonic clock: wall-clock steps do not count
-        age = _monotonic() - holder["mono"]
-    else:
-        age = time.time() - holder["heartbeat"]
+    # this host's monotonic clock (wall-clock steps do not count); the wall clock where none
+    mono, age = holder["mono"], time.time() - holder["heartbeat"]
+    age = age if mono is None else _monotonic() - mono
     if age <= STALE_S:
         return None
     return f"pid {pid} is running on {host} but the lock's heartbeat stopped {age:.0f} s ago (stale after {STALE_S:.0f} s): another program has that pid now, or the job is frozen"  # fmt: skip
-
-
-def watch_s(holder: dict) -> float:
-    """How long another host's lock must not change before it is stale."""
-    return ROUND_STALE_S if holder["job"] and holder["job"] == _job() else STALE_S
 
 
 def parse(raw: bytes) -> dict | None:
@@ -242,18 +236,12 @@ class RunLock:
                 raw = self.path.read_bytes()
                 holder = parse(raw)
                 why = self._verdict(raw, holder)
-                if why is None:
-                    raise UserError(self.refusal(self._current(holder)))
+                if why is None:  # named as it is now: it may have changed while watched
+                    raise UserError(self.refusal(parse(self.path.read_bytes()) or holder))
                 if self._take_over(raw, holder, why):
                     return
             except FileNotFoundError:
                 continue  # released in between: try again
-
-    def _current(self, holder: dict | None) -> dict | None:
-        """The lock as it is now (it may have changed while watched), else `holder`."""
-        with contextlib.suppress(OSError):
-            holder = read(self.path) or holder
-        return holder
 
     def _verdict(self, raw: bytes, holder: dict | None) -> str | None:
         """Why the lock `raw` may be taken over, None while its holder runs (may watch it for
@@ -262,7 +250,7 @@ class RunLock:
             return "its content is not a lock"
         if holder["host"] == socket.gethostname() and holder["boot"] == _boot_id():
             return local_verdict(holder)
-        limit = watch_s(holder)
+        limit = ROUND_STALE_S if holder["job"] and holder["job"] == _job() else STALE_S
         if self._changes(raw, limit):
             return None
         why = f"its heartbeat did not move for {limit:.0f} s, watched on this host's clock (a running job's moves every {HEARTBEAT_S:.0f} s)"  # fmt: skip
@@ -306,9 +294,7 @@ class RunLock:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def refusal(self, holder: dict | None) -> str:
-        if holder is None:
-            return f"run folder {self.folder} is in use by another job (its lock {self.path.name} is being taken over); wait for it or choose another folder"  # fmt: skip
+    def refusal(self, holder: dict) -> str:
         return (
             f"run folder {self.folder} is in use by {holder['what']} (host {holder['host']}, pid "
             f"{holder['pid']}, since {_when(holder['started'])}); wait for it or choose another folder"
@@ -316,29 +302,24 @@ class RunLock:
 
     def _take_over(self, raw: bytes, holder: dict | None, why: str) -> bool:
         """Take over the stale lock `raw`: True once it is this job's; False when it changed
-        meanwhile (judge it again); a UserError when another job took it."""
+        meanwhile (judge it again)."""
         name = f"{CLAIM}{hashlib.sha256(raw).hexdigest()[:16]}-"
-        claims: list[Path] = []
         tmp = self._write_tmp(self._content(self.started))
+        claimed = False
         try:
-            for n in range(1000):
-                claim = self.folder / f"{name}{n}"
+            for n in itertools.count():
                 with _guard(self.folder):
-                    if self._link(tmp, claim):
-                        claims.append(claim)
+                    if claimed := self._link(tmp, self.folder / f"{name}{n}"):
                         return self._replace(raw, holder, why, tmp)
                 # another starter is taking it over: its lock comes within milliseconds; one
                 # that does not come (that starter died) is passed over for the next claim
                 if self._changes(raw, CLAIM_WAIT_S):
                     return False
-            raise UserError(self.refusal(None))
         finally:
             tmp.unlink(missing_ok=True)
-            for claim in claims:  # the lock is replaced by now: a late rival re-reads it
-                claim.unlink(missing_ok=True)
-            if claims:
-                for old in self.folder.glob(f"{name}*"):  # claims of takers that died
-                    old.unlink(missing_ok=True)
+            if claimed:  # the lock is replaced (a late rival re-reads it): every claim of it goes
+                for claim in self.folder.glob(f"{name}*"):
+                    claim.unlink(missing_ok=True)
 
     def _replace(self, raw: bytes, holder: dict | None, why: str, tmp: Path) -> bool:
         """Holding the claim: replace the lock if it is still `raw`, then confirm it is ours."""
