@@ -17,7 +17,7 @@ from gptrain.errors import UserError
 from gptrain.training import batch, facts
 from gptrain.training import float8 as fp8
 from gptrain.training.choices import Choices, Shapes, decide, decide_muon_split
-from gptrain.training.recorded import overridden
+from gptrain.training.recorded import overridden, record
 
 GIB = 2**30
 H100 = facts.Facts("NVIDIA H100 80GB HBM3 (cc 9.0)", "9.0", True, True, 70 * GIB)
@@ -206,22 +206,21 @@ def test_a_recorded_bf16_muon_where_bf16_is_emulated_is_decided_again_alone():
 def test_an_explicit_value_that_differs_from_the_record_is_one_line_each():
     """overridden: one line per explicit value (how config, and train.compile) that differs from
     the recorded choice, naming the key and both values; kept or equal values say nothing."""
-    out = Choices("float32", "sdpa", "float32", muon_split="split", loss="full", compile=True)
+    out = Choices("float32", "sdpa", "float32", muon_split="split", loss="full")
     out.how = {"dtype": "config", "attention": "checkpoint", "muon_dtype": "config", "loss": "config", "muon_split": "config"}  # fmt: skip
     saved = {"dtype": "bfloat16", "attention": "matmul", "muon_dtype": "float32", "loss": "chunked"}
     saved |= {"muon_split": "redundant", "compile": False, "micro_batch_size": 8}
-    lines = overridden(out.record(), out.how, saved)
+    lines = overridden(out.decisions() | {"compile": True}, out.how, saved)
     tail = "(explicit) differs from the checkpoint's recorded"
     assert [line.split(" = ")[0] for line in lines] == ["train.dtype", "train.loss", "optim.muon_split", "train.compile"]  # fmt: skip
     assert lines[0] == f"train.dtype = float32 {tail} bfloat16; the explicit value wins, so the numerics differ from the uninterrupted run"  # fmt: skip
     assert lines[3].startswith(f"train.compile = True {tail} False")
 
 
-def test_the_record_holds_the_micro_batch_and_compile():
+def test_the_record_holds_the_decisions_the_micro_batch_and_compile():
     c = Choices("float32", "sdpa", None, loss="chunked")
-    assert "micro_batch_size" not in c.record() and "compile" not in c.record()
-    c.micro_batch, c.compile = 4, False
-    assert c.record() == c.decisions() | {"micro_batch_size": 4, "compile": False}
+    got = record(c, False, 4)
+    assert got == {"dtype": "float32", "attention": "sdpa", "muon_dtype": None, "muon_split": None, "loss": "chunked", "compile": False, "micro_batch_size": 4}  # fmt: skip
 
 
 def _train(*overrides):

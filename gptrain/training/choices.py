@@ -20,15 +20,17 @@ What is timed (only what the config leaves to auto; an explicit value always win
   probabilities it keeps for backward, for all layers, stay under MATMUL_MEMORY.
 - loss: the output head's loss, forward + backward, chunked vs full logits (model/losses.py), in
   the chosen dtype, compiled where the run compiles its loss, on at least one chunk's rows (at
-  most BLOCK_FLOPS, GPU_BLOCK_FLOPS beyond it); chunked unless full is clearly faster. On a GPU
-  chunked by rule where the full logits (FULL_LOGITS_BYTES each) would take over
-  LOGITS_MEMORY_SHARE of the free memory.
+  most BLOCK_FLOPS, GPU_BLOCK_FLOPS beyond it); chunked unless full is clearly faster. Chunked
+  by rule where the full logits (FULL_LOGITS_BYTES each) would take over LOGITS_MEMORY_SHARE of a
+  GPU's free memory or of the least of any rank's (CPUs too: training/facts.py).
 - float8 (GPUs with FP8 only): each eligible Linear shape, bf16 vs float8 (training/float8.py).
 - muon: one Newton-Schulz orthogonalisation of each distinct Muon matrix shape, bf16 vs float32.
 - muon-split (DDP with 2+ ranks only): one Muon step's orthogonalisations of all the run's Muon
   matrices in the chosen Muon dtype, every rank all of them (redundant) vs each on its owner rank
   and broadcast (split), timed on every rank at once; split unless redundant is clearly faster
   (it keeps the replicas byte-identical). Cached per machine, world size, backend and matrices.
+  Split by rule, untimed, where ranks differ. Every choice is one every rank can run
+  (training/facts.py); a resumed run reuses its recorded choices (training/recorded.py).
 How a candidate is timed and how timings are cached: training/timing.py."""
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 from gptrain.distributed import parallelize
 from gptrain.errors import UserError
 from gptrain.model.losses import chunk_rows
+from gptrain.training import facts
 from gptrain.training import float8 as fp8
 from gptrain.training import recorded as recorded_choices
 from gptrain.training.facts import Limits
@@ -109,8 +112,6 @@ class Choices:
     muon_split: str | None = None  # split or redundant; None: the run has no Muon
     loss: str | None = None  # chunked or full; None: not decided here
     float8: fp8.Float8 | None = None  # the float8 layers and their timings; None: not decided
-    compile: bool | None = None  # train.compile of the run (None: not said)
-    micro_batch: int | None = None  # the micro-batch the run resolved (training/batch.py)
     how: dict = field(default_factory=dict)
     block_ms: dict = field(default_factory=dict)  # "dtype/kernel" -> ms per forward + backward
     block_tokens: tuple = ()  # (sequences, seq_len) of the timed block
@@ -131,49 +132,14 @@ class Choices:
         keys = ("dtype", "attention", "muon_dtype", "muon_split", "loss")
         return {k: getattr(self, k) for k in keys} | fp8.decisions(self.float8)
 
-    def record(self) -> dict:
-        """What a checkpoint records ("speed_choices"): the decisions, train.compile and the
-        resolved micro-batch where set (training/recorded.py reads them back on resume)."""
-        out = self.decisions()
-        if self.compile is not None:
-            out["compile"] = self.compile
-        if self.micro_batch is not None:
-            out["micro_batch_size"] = self.micro_batch
-        return out
-
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "warnings"}
 
     def line(self) -> str:
         """One line for the run's log: each choice, how it was made and the timings behind it."""
+        from gptrain.training.choice_line import line
 
-        def ms(times: dict) -> str:
-            return ", ".join(f"{k} {v:.3g} ms" for k, v in times.items())
-
-        parts = [f"train.dtype={self.dtype} ({self.how['dtype']})"]
-        parts.append(f"train.attention={self.attention} ({self.how['attention']})")
-        if self.block_ms:
-            n, t = self.block_tokens
-            parts[-1] += f" [one block fwd+bwd of {n}x{t} tokens: {ms(self.block_ms)}]"
-        if self.loss:
-            parts.append(f"train.loss={self.loss} ({self.how['loss']})")
-            if self.loss_ms:
-                parts[-1] += (
-                    f" [the head's loss fwd+bwd of {self.loss_rows} rows: {ms(self.loss_ms)}]"
-                )
-        parts += fp8.line_part(self)
-        if self.muon_dtype:
-            parts.append(f"optim.muon_dtype={self.muon_dtype} ({self.how['muon_dtype']})")
-            if self.muon_ms:
-                parts[-1] += f" [orthogonalising one matrix of each shape: {ms(self.muon_ms)}]"
-        if self.muon_split:
-            parts.append(f"optim.muon_split={self.muon_split} ({self.how['muon_split']})")
-            if self.split_ms:
-                times = ms(self.split_ms)
-                parts[-1] += f" [a Muon step's orthogonalisations, slowest rank: {times}]"
-        if self.bf16_ratio is not None:
-            parts.append(f"bf16 matmul {self.bf16_ratio:.2g}x float32's time")
-        return f"speed choices in {self.seconds:.2f} s: " + ", ".join(parts)
+        return line(self)
 
 
 def decide(
@@ -197,15 +163,13 @@ def decide(
     blocks; its loss too unless `fsdp`); explicit values are kept untimed. `timer(label, fn,
     rival) -> seconds` times a candidate (default: Clock(); its crowding(), when it has one,
     decides whether timings are cached); cache_path True: the gptrain cache, None/False: none.
-    `limits` (training/facts.py: what every rank can run, from every rank's facts; None: this
-    process alone) bound every choice and key the cache where ranks differ. `recorded`: a resumed
-    checkpoint's choices ({key: value}, Choices.decisions()); each key still auto keeps its value
-    untimed (how: "checkpoint"), except one that cannot run here: that one alone is decided
-    again, with a warning naming it and both values.
+    `limits` (facts.py; None: this process alone) bound every choice; `recorded`: a resumed
+    checkpoint's choices, kept for keys still auto unless they cannot run (recorded.py).
     UserErrors: optim.muon_dtype = bfloat16 where bf16 is emulated, float8 = on where it can't run."""
     start, timer, limits = time.perf_counter(), timer or Clock(), limits or ALONE
     asked = dict(dtype=dtype, attention=attention, muon_dtype=muon_dtype, loss=loss, float8=float8)
-    no_room = partial(_no_room_for_logits, device, shapes, limits)
+    need = shapes.micro_batch * shapes.seq_len * shapes.padded_vocab * FULL_LOGITS_BYTES
+    no_room = partial(facts.no_room_for_logits, device, need, LOGITS_MEMORY_SHARE, limits)
     kept, again = recorded_choices.keep(device, asked, recorded or {}, limits, no_room)
     dtype, attention, muon_dtype, loss, float8 = ({**asked, **kept}[k] for k in asked)
     if dtype != "auto":
@@ -226,9 +190,7 @@ def decide(
     )
     here = _bf16_native(device, cuda, wants_bf16, measure, out)
     native = limits.bf16_native(here)
-    no_bf16 = "rule: bf16 not native" if cuda else "measured: bf16 emulated"
-    if here and not native:
-        no_bf16 = f"rule: bf16 not native on every rank ({limits.differ()})"
+    no_bf16 = f"rule: bf16 not native on every rank ({limits.differ()})" if here and not native else "rule: bf16 not native" if cuda else "measured: bf16 emulated"  # fmt: skip
     if muon_dtype == "bfloat16" and not native:
         why = no_bf16.split(": ", 1)[1] if here else "compute capability < 8.0" if cuda else f"a bf16 matmul measured {out.bf16_ratio:.1f}x float32's time"  # fmt: skip
         if "muon_dtype" not in kept:
@@ -253,17 +215,6 @@ def decide(
     measure.save_unless_crowded(timer, cuda)
     out.seconds = time.perf_counter() - start
     return out
-
-
-def _no_room_for_logits(device: str, s: Shapes, limits: Limits) -> str | None:
-    """Why the full logits of the run's micro-batch do not fit (LOGITS_MEMORY_SHARE of the free
-    memory of this GPU, and of the rank with the least), or None where they do."""
-    need = s.micro_batch * s.seq_len * s.padded_vocab * FULL_LOGITS_BYTES
-    if device.startswith("cuda") and need > LOGITS_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:  # fmt: skip
-        return f"the full logits need {need / 2**30:.1f} GiB, over {LOGITS_MEMORY_SHARE:.0%} of free memory"  # fmt: skip
-    if not limits.logits_fit(need, LOGITS_MEMORY_SHARE):
-        return f"the full logits need {need / 2**30:.1f} GiB, over {LOGITS_MEMORY_SHARE:.0%} of the least free memory of any rank ({limits.free / 2**30:.1f} GiB)"  # fmt: skip
-    return None
 
 
 def _bf16_native(device: str, cuda: bool, wants_bf16: bool, measure, out: Choices) -> bool:
@@ -417,34 +368,23 @@ def decide_muon_split(
     limits: Limits | None = None,
 ) -> tuple[str, str, dict]:
     """optim.muon_split (o: the OptimConfig) for the Muon `matrices`: (choice, how, {mode: ms}),
-    the same on every rank (warnings into out.warnings). Untimed: FSDP2 (always split), an explicit
-    value, a resumed run's recorded choice (`saved`, Choices.decisions()), one process (the same code either way: split). Else, under DDP, one
-    Muon step's orthogonalisations (in out.muon_dtype) timed redundant vs split on every rank at
-    once (timing.Lockstep; `timer` replaces it), split unless redundant is clearly faster, cached
-    per machine, world size, backend and matrices (a cache hit times nothing); the main process's
-    decision is sent to every rank. `limits` (training/facts.py; None: alike): on ranks that
-    differ redundant would leave replicas apart, so it is split by rule, a recorded redundant is
-    decided again (one warning) and an explicit one is a UserError."""
+    the same on every rank (warnings into out.warnings). Untimed: FSDP2 (always split), ranks that
+    differ (`limits`: facts.split_where_unlike), an explicit value, a resumed run's recorded
+    choice (`saved`), one process (split). Else, under DDP, one Muon step's orthogonalisations
+    (in out.muon_dtype) timed redundant vs split on every rank at once (timing.Lockstep; `timer`
+    replaces it), split unless redundant is clearly faster, cached per machine, world size,
+    backend and matrices (a hit times nothing); the main process's decision goes to every rank."""
     from gptrain.distributed import runtime as dist
 
     limits, recorded = limits or ALONE, (saved or {}).get("muon_split")
     if fsdp:
         return "split", "rule: FSDP2 always splits", {}
-    unlike = f"ranks differ ({limits.differ()})" if not limits.alike else None
-    if o.muon_split == "redundant" and unlike and info.world_size > 1:
-        raise UserError(
-            f"optim.muon_split = 'redundant' computes every orthogonalisation on every rank, which keeps replicas identical only on identical devices, but {unlike}; use optim.muon_split=split or auto"
-        )
-    if o.muon_split != "auto":
-        return o.muon_split, "config", {}
-    if recorded and not (recorded == "redundant" and unlike):
-        return recorded, "checkpoint", {}
-    if unlike:
-        if recorded:
-            out.warnings.append(
-                recorded_choices.decided_again("muon_split", recorded, unlike, "split")
-            )
-        return "split", f"rule: {unlike}", {}
+    rule = facts.split_where_unlike(o.muon_split, recorded, limits, info.world_size)
+    if rule:
+        out.warnings += rule[3:]
+        return rule[:3]
+    if o.muon_split != "auto" or recorded:
+        return (o.muon_split, "config", {}) if o.muon_split != "auto" else (recorded, "checkpoint", {})  # fmt: skip
     if info.world_size == 1:
         return "split", "rule: one process, the same code", {}
     counts = Counter(tuple(p.shape) for p in matrices)

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from gptrain.errors import UserError
+
 FP8_CAPABILITY, BF16_CAPABILITY = (8, 9), (8, 0)
 # the CPU flags that tell devices apart for the choices (x86 and Arm), and those of native bf16
 CPU_FLAGS = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "asimd"}
@@ -168,6 +170,35 @@ def agree(facts: list[Facts]) -> Limits:
         devices=tuple(devices),
         no_fp8=tuple(r for r, f in enumerate(facts) if not f.fp8),
     )
+
+
+def no_room_for_logits(device: str, need: int, share: float, limits: Limits) -> str | None:
+    """Why `need` bytes of full logits do not fit in `share` of this GPU's free memory or of the
+    least free memory of any rank (`limits`), or None where they do."""
+    if device.startswith("cuda") and need > share * torch.cuda.mem_get_info(device)[0]:
+        return f"the full logits need {need / 2**30:.1f} GiB, over {share:.0%} of free memory"
+    if not limits.logits_fit(need, share):
+        return f"the full logits need {need / 2**30:.1f} GiB, over {share:.0%} of the least free memory of any rank ({limits.free / 2**30:.1f} GiB)"  # fmt: skip
+    return None
+
+
+def split_where_unlike(asked: str, recorded: str | None, limits: Limits, world: int):
+    """optim.muon_split on ranks that differ: (split, how, {}[, the warning of a recorded
+    redundant decided again]); a UserError for an explicit redundant; None where ranks are alike
+    or the value (explicit split, recorded split) holds anyway."""
+    from gptrain.training.recorded import decided_again
+
+    if limits.alike or world < 2:
+        return None
+    unlike = f"ranks differ ({limits.differ()})"
+    if asked == "redundant":
+        raise UserError(
+            f"optim.muon_split = 'redundant' computes every orthogonalisation on every rank, which keeps replicas identical only on identical devices, but {unlike}; use optim.muon_split=split or auto"
+        )
+    if asked != "auto" or recorded == "split":
+        return None
+    again = [decided_again("muon_split", recorded, unlike, "split")] if recorded else []
+    return ("split", f"rule: {unlike}", {}, *again)
 
 
 def here(device: str) -> Limits:

@@ -23,6 +23,12 @@ NAMES |= {"float8": "train.float8", "muon_dtype": "optim.muon_dtype", "compile":
 NAMES |= {"muon_split": "optim.muon_split", "micro_batch_size": "train.micro_batch_size"}
 
 
+def record(choices, compile: bool, micro_batch: int) -> dict:
+    """What a checkpoint records as its "speed_choices": the Choices' decisions, train.compile and
+    the micro-batch the run resolved (training/batch.py)."""
+    return choices.decisions() | {"compile": compile, "micro_batch_size": micro_batch}
+
+
 def keep(device: str, asked: dict, recorded: dict, limits, no_room) -> tuple[dict, dict]:
     """({key: value} of the `recorded` choices a run keeps, {key: (value, why)} of those it must
     decide again): keys `asked` as auto only (an explicit value wins), runnable on every rank
