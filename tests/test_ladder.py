@@ -182,6 +182,7 @@ def test_a_candidate_reached_mid_curve_by_a_rung_gets_the_ladder_value_not_the_c
     assert race["configs"][1]["compute_multiplier"] == {"rung": 2.0}
     table = markdown_table(race)
     assert "compute multiplier (ladder)" in table and "| 1.32× [" in table
+    assert m["interval"].endswith("95%, 2 seeds") and f"Interval ({m['interval']}):" in table
     assert "rung 2×" in table
 
 

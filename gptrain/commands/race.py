@@ -46,7 +46,6 @@ finished; the runs that finished are still in race.json and the table where they
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -65,8 +64,10 @@ from gptrain.commands.race_plan import (
     Job,
     Plan,
     check_plan,
+    flops_per_token,
     parse_args,
     plan,
+    regime,
     remove_configs,
     trained,
     write_configs,
@@ -78,7 +79,6 @@ from gptrain.logs.race import analyse, curve_from_metrics
 from gptrain.logs.race_report import markdown_table, plot_race
 from gptrain.training import attempts
 
-UNIGRAM = "unigram.json"  # the regime's cache in the race's folder
 STOP_WAIT_S = 120.0  # how long a stopped race waits for its runs in progress to save and exit
 RUN_FAILED = 3  # the exit code of a race in which a run failed (bad input is 2)
 
@@ -318,41 +318,6 @@ def _stop(running, sig: int) -> None:
             proc.kill()
             proc.wait()
         log.close()
-
-
-def flops_per_token(cfg: Config) -> float:
-    """The model's training FLOPs per token (the model's own count), built on the meta device."""
-    from gptrain.data.prepare import resolve_data_dir
-    from gptrain.data.shards import read_manifest
-    from gptrain.training.build import build_model
-
-    vocab = int(read_manifest(resolve_data_dir(cfg.data.dir, cfg.data.tokenizer))["vocab_size"])
-    return build_model(cfg, vocab, meta=True).flops_per_token(cfg.train.seq_len)
-
-
-def regime(out: Path, cfg: Config) -> dict:
-    """The unigram entropy of the val tokens the baseline scores, under its train split's counts
-    (gptrain/data/unigram.py), computed once: cached in OUT/unigram.json, keyed by the data's
-    manifest, seq_len, eval.tokens and how the val windows are chosen."""
-    from gptrain.data.prepare import resolve_data_dir
-    from gptrain.data.unigram import unigram_entropy
-
-    data_dir = resolve_data_dir(cfg.data.dir, cfg.data.tokenizer)
-    manifest = hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()
-    key = {
-        "manifest_sha256": manifest,
-        "seq_len": cfg.train.seq_len,
-        "eval_tokens": cfg.eval.tokens,
-        "val_windows": "evenly spaced over the split",  # gptrain/data/loader.py's val_windows
-    }
-    path = out / UNIGRAM
-    with contextlib.suppress(OSError, ValueError, AttributeError, KeyError):
-        cached = json.loads(path.read_text())
-        if cached["key"] == key:
-            return cached["value"]
-    value = unigram_entropy(data_dir, cfg.train.seq_len, cfg.eval.tokens)
-    atomic_write_bytes(path, json.dumps({"key": key, "value": value}, indent=1).encode())
-    return value
 
 
 def record(job: Job, code: int, fpt: float) -> dict:

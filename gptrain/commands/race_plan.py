@@ -9,11 +9,14 @@ at its start:
                            file edited since the race began is refused (one line naming it)
     write_configs(out, p)  DIR/plan.json and each config's DIR/<label>/config.toml, which its
                            runs train (never the --config file itself)
+    regime(out, cfg)       the baseline's val tokens' unigram entropy, cached in DIR/unigram.json
+    flops_per_token(cfg)   a config's training FLOPs per token
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from gptrain.config.load import Config, load_config, resolved_again, to_toml
 from gptrain.errors import UserError
 
 PLAN = "plan.json"  # the race's configs as resolved, checked when the race continues
+UNIGRAM = "unigram.json"  # the regime's cache in the race's folder
 CONFIG = "config.toml"  # OUT/<label>/config.toml: the plan's config, which its runs train
 
 
@@ -376,3 +380,38 @@ def trained(run_dir: Path) -> bool:
     return any(
         (run_dir / name).exists() for name in ("checkpoints", "metrics.jsonl", "summary.json")
     )
+
+
+def flops_per_token(cfg: Config) -> float:
+    """The model's training FLOPs per token (the model's own count), built on the meta device."""
+    from gptrain.data.prepare import resolve_data_dir
+    from gptrain.data.shards import read_manifest
+    from gptrain.training.build import build_model
+
+    vocab = int(read_manifest(resolve_data_dir(cfg.data.dir, cfg.data.tokenizer))["vocab_size"])
+    return build_model(cfg, vocab, meta=True).flops_per_token(cfg.train.seq_len)
+
+
+def regime(out: Path, cfg: Config) -> dict:
+    """The unigram entropy of the val tokens the baseline scores, under its train split's counts
+    (gptrain/data/unigram.py), computed once: cached in OUT/unigram.json, keyed by the data's
+    manifest, seq_len, eval.tokens and how the val windows are chosen."""
+    from gptrain.data.prepare import resolve_data_dir
+    from gptrain.data.unigram import unigram_entropy
+
+    data_dir = resolve_data_dir(cfg.data.dir, cfg.data.tokenizer)
+    manifest = hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()
+    key = {
+        "manifest_sha256": manifest,
+        "seq_len": cfg.train.seq_len,
+        "eval_tokens": cfg.eval.tokens,
+        "val_windows": "evenly spaced over the split",  # gptrain/data/loader.py's val_windows
+    }
+    path = out / UNIGRAM
+    with contextlib.suppress(OSError, ValueError, AttributeError, KeyError):
+        cached = json.loads(path.read_text())
+        if cached["key"] == key:
+            return cached["value"]
+    value = unigram_entropy(data_dir, cfg.train.seq_len, cfg.eval.tokens)
+    atomic_write_bytes(path, json.dumps({"key": key, "value": value}, indent=1).encode())
+    return value
