@@ -310,3 +310,39 @@ def test_muon_weight_decay_is_its_own_key():
         with pytest.raises(UserError, match=rf"optim\.{key} = -0\.1 must be >= 0") as e:
             load_config(None, [f"optim.{key}=-0.1"])
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("optim.beta2=1", "optim.beta2 = 1.0 must be in (0, 1), e.g. --optim.beta2=0.95"),
+        ("optim.beta2=0", "optim.beta2 = 0.0 must be in (0, 1), e.g. --optim.beta2=0.95"),
+        ("optim.beta2=nan", "optim.beta2 = nan must be in (0, 1), e.g. --optim.beta2=0.95"),
+        ("optim.beta1=1.5", "optim.beta1 = 1.5 must be in [0, 1), e.g. --optim.beta1=0.9"),
+        ("optim.beta1=-0.1", "optim.beta1 = -0.1 must be in [0, 1), e.g. --optim.beta1=0.9"),
+        ("optim.embed_lr=-1e-3", "optim.embed_lr = -0.001 must be >= 0 (0: optim.lr)"),
+    ],
+)
+def test_bad_betas_and_embed_lr_are_one_line_exit_2(tmp_path, capsys, override, needle):
+    """beta2 outside (0, 1) (0 would make AdamW's step sign(g) x lr), beta1 outside [0, 1) (0: no
+    momentum) and a negative embed lr: one line naming the key and a value to use, exit 2,
+    no run folder; the edges that are allowed load."""
+    run = tmp_path / "run"
+    assert cli(["train", f"--run.dir={run}", f"--{override}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"gptrain: error: {needle}" and not run.exists()
+    o = load_config(None, ["optim.beta1=0", "optim.beta2=0.9999", "optim.embed_lr=0"]).optim
+    assert (o.beta1, o.beta2, o.embed_lr) == (0.0, 0.9999, 0.0)
+
+
+def test_embed_lr_is_its_own_key_beside_lr():
+    """optim.embed_lr is set alone (lr keeps its default), in both optimizer modes, round-trips
+    through the resolved config, and --help says which parameters it moves."""
+    for name in ("adamw", "muon"):
+        o = load_config(None, [f"optim.name={name}", "optim.embed_lr=3e-3"]).optim
+        assert (o.embed_lr, o.lr) == (3e-3, OptimConfig().lr)
+    cfg = load_config(None, ["optim.embed_lr=3e-3"])
+    assert tomllib.loads(to_toml(cfg))["optim"]["embed_lr"] == 3e-3
+    text = help_text()
+    assert "--optim.embed_lr (float, default 0.0)" in text
+    assert "embeddings and the output head" in text.split("--optim.embed_lr")[1].split("--")[0]

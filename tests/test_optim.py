@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from gptrain.errors import UserError
 from gptrain.model.gpt import GPT, GPTConfig
 from gptrain.training.optim import (
     MuonAdamW,
+    beta2_at,
     build_optimizer,
     cosine_lr,
     lr_at,
@@ -528,3 +530,123 @@ def test_batched_muon_steps_like_the_per_matrix_path(dtype, nesterov):
     for p, q in zip(ours, theirs, strict=True):
         assert (p - q).abs().max() <= 4 * tolerance * math.sqrt(3)
         torch.testing.assert_close(a.state[p]["momentum_buffer"], b.state[q]["momentum_buffer"])
+
+
+def _nanochat(seed=0):
+    from gptrain.model.nanochat import NanoChat, NanoChatConfig
+
+    torch.manual_seed(seed)
+    return NanoChat(NanoChatConfig(vocab_size=100, block_size=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))  # fmt: skip
+
+
+EMBED_HEAD = {  # from the module tree: the embeddings and the output head of each block
+    "gpt2": {"transformer.wte.weight", "transformer.wpe.weight"},  # lm_head IS wte (tied)
+    "nanochat": {"transformer.wte.weight", "lm_head.weight"},  # untied head
+}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+@pytest.mark.parametrize("arch", ["gpt2", "nanochat"])
+def test_embed_lr_group_holds_the_embeddings_and_head_each_parameter_once(arch, name):
+    """optim.embed_lr > 0: one AdamW group, marked "embed", with exactly the embeddings and the
+    output head (GPT-2's tied head is wte: one parameter; nanochat's untied head and embedding
+    both), decayed as matrices; every parameter in exactly one group, no group empty (a
+    checkpoint's optimizer may hold one empty group only); Muon's matrices as without it.
+    embed_lr = 0 leaves the groups as they were."""
+    model = _model() if arch == "gpt2" else _nanochat()
+    cfg = OptimConfig(name=name, embed_lr=3e-3, weight_decay=0.1, muon_dtype="float32")
+    opt = build_optimizer(model, cfg, "cpu", muon_dtype=torch.float32)
+    embed = [g for g in opt.param_groups if g.get("embed")]
+    assert len(embed) == 1 and embed[0]["weight_decay"] == 0.1
+    assert _names(model, embed[0]["params"]) == EMBED_HEAD[arch]
+    assert (model.lm_head.weight is model.transformer.wte.weight) == (arch == "gpt2")
+    everything = [p for g in opt.param_groups for p in g["params"]]
+    assert len(everything) == len({id(p) for p in everything}) == len(list(model.parameters()))
+    assert all(g["params"] for g in opt.param_groups)
+    muon = [p for g in opt.param_groups if "ns_steps" in g for p in g["params"]]
+    assert _names(model, muon) == (_names(model, muon_split(model, 0.1)[0]) if name == "muon" else set())  # fmt: skip
+    plain = build_optimizer(model, replace(cfg, embed_lr=0.0), "cpu", muon_dtype=torch.float32)
+    assert not any(g.get("embed") for g in plain.param_groups)
+    assert len(plain.param_groups) == (2 if name == "adamw" else 3)  # as before the key
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_embed_lr_is_scheduled_as_lr(schedule):
+    """set_lr gives the embed group the schedule of a run whose peak is embed_lr and whose min_lr
+    keeps the min_lr / lr ratio (lr_at of that config, an independent reading), at every step:
+    warmup, decay and end; the other AdamW groups keep lr, Muon's muon_lr scaled alike."""
+    cfg = OptimConfig(name="muon", lr=1e-3, min_lr=2e-4, embed_lr=5e-3, muon_lr=0.02, warmup_steps=3, lr_schedule=schedule, decay_fraction=0.5, muon_dtype="float32")  # fmt: skip
+    as_embed = replace(cfg, lr=5e-3, min_lr=2e-4 * 5)
+    as_muon = replace(cfg, lr=0.02, min_lr=2e-4 * 20)
+    opt = build_optimizer(_nanochat(), cfg, "cpu", muon_dtype=torch.float32)
+    for step in [*range(12), 5.5]:
+        lr = lr_at(step, cfg, 12)
+        set_lr(opt, lr, cfg)
+        for g in opt.param_groups:
+            ref = as_muon if "ns_steps" in g else as_embed if g.get("embed") else cfg
+            assert g["lr"] == pytest.approx(lr_at(step, ref, 12), rel=1e-12), (step, g.keys())
+    assert lr_at(11, as_embed, 12) == pytest.approx(1e-3)  # the end: min_lr x embed_lr / lr
+
+
+def test_embed_lr_steps_like_one_torch_adamw_per_lr():
+    """AdamW with embed_lr: a few steps equal torch.optim.AdamW with the embeddings and head at
+    embed_lr and the rest at lr, each scaled by the schedule's fraction; embed_lr = lr equals
+    embed_lr = 0 bit for bit (taking the group out changes nothing else)."""
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, embed_lr=4e-3, weight_decay=0.1, warmup_steps=2)
+    a, b = _nanochat(), _nanochat()
+    opt = build_optimizer(a, cfg, "cpu")
+    embed = {id(p) for p in (b.transformer.wte.weight, b.lm_head.weight)}
+    ref = torch.optim.AdamW(
+        [
+            {"params": [p for p in b.parameters() if id(p) in embed], "peak": 4e-3},
+            {"params": [p for p in b.parameters() if id(p) not in embed], "peak": 1e-3},
+        ],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        fused=True,
+    )
+    for step in range(4):
+        set_lr(opt, lr_at(step, cfg, 4), cfg)
+        for g in ref.param_groups:
+            g["lr"] = g["peak"] * lr_at(step, cfg, 4) / 1e-3
+        _grads(a, step), _grads(b, step)
+        opt.step(), ref.step()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-9, msg=n)
+    runs = []
+    for embed_lr in (0.0, 1e-3):
+        model, c = _model(), replace(cfg, embed_lr=embed_lr)
+        o = build_optimizer(model, c, "cpu")
+        for step in range(3):
+            set_lr(o, lr_at(step, c, 4), c)
+            _grads(model, step)
+            o.step()
+        runs.append(dict(model.named_parameters()))
+    for n, p in runs[0].items():
+        assert torch.equal(p, runs[1][n]), n
+
+
+@pytest.mark.parametrize("batch_tokens", [4096, 2**14, 2**19, 2**21])
+def test_beta2_at_keeps_the_half_life_in_tokens(batch_tokens):
+    """The tokens after which the second moment's weight of a gradient falls to 1/2 are the same
+    at any batch as 0.95's at 2**19 tokens: from the half-life formula, and by multiplying the
+    per-step decay over as many steps as one 2**19-token step holds (4096: 128 steps)."""
+    beta2 = beta2_at(batch_tokens)
+    assert 0 < beta2 < 1
+
+    def half_life_tokens(beta, batch):  # beta ** (tokens / batch) = 1/2
+        return batch * math.log(0.5) / math.log(beta)
+
+    want = half_life_tokens(0.95, 2**19)
+    assert half_life_tokens(beta2, batch_tokens) == pytest.approx(want, rel=1e-9)
+    if batch_tokens <= 2**19:
+        weight = 1.0
+        for _ in range(2**19 // batch_tokens):
+            weight *= beta2
+        assert weight == pytest.approx(0.95, rel=1e-9)
+    assert beta2_at(2**19) == 0.95 and beta2_at(2**18, 0.99, 2**18) == 0.99
+    assert beta2_at(4096) == pytest.approx(0.9996, abs=1e-5)
+    for bad in ((0,), (4096, 1.0), (4096, 0.95, 0)):
+        with pytest.raises(ValueError):
+            beta2_at(*bad)

@@ -18,6 +18,7 @@ from gptrain.config.model import ARCHS, GPT2_ONLY, NANOCHAT_ONLY, ModelConfig  #
 
 FLOAT8_HELP = "float8 matmuls (torchao: pip install 'gptrain[fp8]') in the blocks' Linear layers, under bf16, on GPUs with FP8 (compute capability >= 8.9): on, off, or auto: the shapes timed faster"
 FSDP_REDUCE_HELP = "FSDP2 with accumulation: reduce-scatter every micro-step (each rank keeps its gradient shard) or on the last only (fewer transfers; each rank keeps the whole float32 gradient)"
+EMBED_LR_HELP = "peak lr of the token (and position) embeddings and the output head, with AdamW under both optim.name values, scheduled as lr; 0: optim.lr"
 MUON_SPLIT_HELP = "muon only, 2+ processes: split: each matrix orthogonalised on one rank, sent to the others (FSDP2: always); redundant: every DDP rank does every matrix; auto: split"
 
 
@@ -135,6 +136,7 @@ class OptimConfig:
         ("adamw", "muon"),
     )
     lr: float = opt(1e-3, "peak AdamW learning rate (reached after warmup)")
+    embed_lr: float = opt(0.0, EMBED_LR_HELP)
     min_lr: float = opt(1e-4, "AdamW learning rate at the end of the schedule")
     warmup_steps: int = opt(20, "linear warmup steps")
     lr_schedule: str = opt(
@@ -150,7 +152,10 @@ class OptimConfig:
         "AdamW's decoupled weight decay of its >= 2-D parameters, times the scheduled AdamW lr: each step p *= 1 - lr x weight_decay; 0: none (Muon's matrices: optim.muon_weight_decay)",
     )
     beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.95, "AdamW beta2")
+    beta2: float = opt(
+        0.95,
+        "AdamW beta2; the value that keeps its half-life in tokens at another batch size: gptrain.training.optim.beta2_at",
+    )
     eps: float = opt(1e-8, "AdamW epsilon")
     grad_clip: float = opt(1.0, "global gradient-norm clip; 0: off (the norm is still logged)")
     muon_lr: float = opt(0.02, "muon only: peak lr of the Muon matrices, scheduled as lr")
@@ -180,9 +185,11 @@ class OptimConfig:
         )
         for key in ("weight_decay", "muon_weight_decay"):
             check(getattr(self, key) >= 0, f"optim.{key} = {getattr(self, key)} must be >= 0")
-        for key in ("beta1", "beta2", "muon_momentum"):
+        check(self.embed_lr >= 0, f"optim.embed_lr = {self.embed_lr} must be >= 0 (0: optim.lr)")
+        for key, low, e in (("beta1", "[0", 0.9), ("beta2", "(0", 0.95), ("muon_momentum", "[0", 0.95)):  # fmt: skip
             value = getattr(self, key)
-            check(0 <= value < 1, f"optim.{key} = {value} must be in [0, 1)")
+            inside = (0 <= value if low == "[0" else 0 < value) and value < 1
+            check(inside, f"optim.{key} = {value} must be in {low}, 1), e.g. --optim.{key}={e}")
         check(self.eps > 0, f"optim.eps = {self.eps} must be > 0")
         check(self.muon_lr > 0, f"optim.muon_lr = {self.muon_lr} must be > 0")
         check(self.muon_ns_steps >= 1, f"optim.muon_ns_steps = {self.muon_ns_steps} must be >= 1")

@@ -1,6 +1,10 @@
 """Optimizers (AdamW; Muon for the block matrices + AdamW for the rest) and the learning-rate
 schedules (warmup + cosine; warmup, stable, linear decay).
 
+optim.embed_lr (> 0) gives the embeddings and the output head (`embed_head`) an AdamW group of their
+own at that peak lr, in both modes, scheduled as optim.lr (set_lr); 0 leaves them in the groups
+they always had (so checkpoints written without it resume unchanged).
+
 Weight decay applies to matrices (embeddings and Linear weights, dim >= 2) and not to biases or
 LayerNorm parameters: optim.weight_decay to AdamW's matrices, optim.muon_weight_decay to Muon's
 (both decoupled, multiplied by their own optimizer's scheduled lr). AdamW works unchanged with
@@ -33,6 +37,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def embed_head(model: nn.Module) -> list:
+    """The embeddings (every nn.Embedding's weight: wte, and wpe where there is one) and the
+    output head (model.lm_head.weight: GPT-2's is wte itself, listed once; nanochat's is its own)."""
+    found = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    head = getattr(model, "lm_head", None)
+    found += [head.weight] if head is not None else []
+    return list({id(p): p for p in found if p.requires_grad}.values())
+
+
+def split_embed_head(model: nn.Module, groups: list[dict], weight_decay: float) -> list[dict]:
+    """optim.embed_lr > 0: `groups` (AdamW's) with the embeddings and the head taken out into a
+    group of their own, marked "embed" (set_lr gives it the embed lr; the mark is saved with the
+    optimizer state), decayed as the other matrices; empty groups are left out (a nanochat
+    model has no 1-D parameters, and a checkpoint's optimizer may have one empty group only)."""
+    embed = embed_head(model)
+    ids = {id(p) for p in embed}
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in groups]
+    mine = {"params": embed, "weight_decay": weight_decay, "embed": True}
+    return [g for g in (mine, *rest) if g["params"]]
 
 
 def muon_split(model: nn.Module, weight_decay: float) -> tuple[list, list[dict]]:
@@ -112,14 +137,20 @@ def build_optimizer(
     orthogonalising in `muon_dtype` (the run's measured choice, gptrain/training/choices.py;
     None: cfg.muon_dtype when explicit, else bf16, what torch.optim.Muon does), each matrix on
     one owner rank under FSDP2, and under DDP as `split_choice` says (the run's measured choice,
-    Choices.muon_split; None: cfg.muon_split's rule, muon_splits)."""
+    Choices.muon_split; None: cfg.muon_split's rule, muon_splits). cfg.embed_lr > 0: the
+    embeddings and head in an AdamW group of their own (split_embed_head), in both modes."""
     fused = device_type in ("cuda", "cpu")
     adamw = dict(
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused
     )
     if cfg.name == "adamw":
-        return torch.optim.AdamW(param_groups(model, cfg.weight_decay), **adamw)
+        groups = param_groups(model, cfg.weight_decay)
+        if cfg.embed_lr > 0:
+            groups = split_embed_head(model, groups, cfg.weight_decay)
+        return torch.optim.AdamW(groups, **adamw)
     muon_params, groups = muon_split(model, cfg.weight_decay)
+    if cfg.embed_lr > 0:
+        groups = split_embed_head(model, groups, cfg.weight_decay)
     muon = dict(
         lr=cfg.muon_lr,
         weight_decay=cfg.muon_weight_decay,
@@ -160,11 +191,33 @@ def check_muon_layout(model: nn.Module, muon_params: list) -> None:
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, cfg: OptimConfig) -> None:
     """Set this step's learning rate: `lr` (from lr_at) for the AdamW groups, and the same fraction
-    of the peak, lr / cfg.lr, of cfg.muon_lr for the Muon groups. Taken from the config every step,
-    so a resumed run follows the config it is started with."""
-    muon_lr = cfg.muon_lr * lr / cfg.lr
+    of the peak, lr / cfg.lr, of cfg.muon_lr for the Muon groups and of cfg.embed_lr for the
+    embeddings' and head's group (where optim.embed_lr > 0 made one): warmup, decay and the
+    min_lr / lr ratio are the same for all three. Taken from the config every step, so a resumed
+    run follows the config it is started with (a checkpoint's saved lrs are overwritten)."""
+    fraction = lr / cfg.lr
     for group in optimizer.param_groups:
-        group["lr"] = muon_lr if "ns_steps" in group else lr  # only Muon's groups have ns_steps
+        if "ns_steps" in group:  # only Muon's groups have ns_steps
+            group["lr"] = cfg.muon_lr * fraction
+        elif group.get("embed"):
+            group["lr"] = (cfg.embed_lr or cfg.lr) * fraction
+        else:
+            group["lr"] = lr
+
+
+def beta2_at(
+    batch_tokens: float, ref_beta2: float = 0.95, ref_batch_tokens: float = 2**19
+) -> float:
+    """AdamW's beta2 at a batch of `batch_tokens` tokens per step that keeps the half-life, in
+    tokens, of ref_beta2 at ref_batch_tokens: ref_beta2 ** (batch_tokens / ref_batch_tokens).
+    (The second-moment average weighs a gradient k steps old by beta2**k; it halves after
+    log(1/2) / log(beta2) steps, times batch_tokens tokens.) E.g. 0.95 at 2**19 tokens is
+    0.99960 at 4,096."""
+    if not batch_tokens > 0 or not ref_batch_tokens > 0 or not 0 < ref_beta2 < 1:
+        raise ValueError(
+            f"need batch_tokens > 0, ref_batch_tokens > 0 and 0 < ref_beta2 < 1; got {batch_tokens}, {ref_batch_tokens}, {ref_beta2}"
+        )
+    return ref_beta2 ** (batch_tokens / ref_batch_tokens)
 
 
 def lr_at(step: float, cfg: OptimConfig, max_steps: int) -> float:
