@@ -26,6 +26,8 @@ from gptrain.checkpoint import manager as checkpoint
         (6, []),
         # Muon + AdamW, wsd: the resumed part crosses the decay start (step 6 of 12)
         (4, ["optim.name=muon", "optim.lr_schedule=wsd", "optim.decay_fraction=0.5"]),
+        # the embeddings and head in an AdamW group of their own, at their own lr
+        (6, ["optim.embed_lr=1e-2"]),
     ],
 )
 def test_resume_equals_uninterrupted_run_bit_for_bit(byte_data, tmp_path, every, optim):
@@ -59,7 +61,12 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(byte_data, tmp_path, every,
         for name, t in v.items():
             assert torch.equal(t, sb["optimizer"]["state"][k][name]), (k, name)
     muon = "momentum_buffer" in sa["optimizer"]["state"]["transformer.h.0.mlp.c_fc.weight"]
-    assert muon == bool(optim)
+    assert muon == ("optim.name=muon" in optim)
+    embed = [g for g in sb["optimizer"]["param_groups"] if g.get("embed")]
+    assert len(embed) == ("optim.embed_lr=1e-2" in optim)
+    for g in embed:  # set by the schedule after the resume: 1e-2 x the debug config's min/lr
+        assert sorted(g["params"]) == ["transformer.wpe.weight", "transformer.wte.weight"]
+        assert g["lr"] == pytest.approx(1e-2 * 3e-4 / 3e-3)
     rows = [json.loads(r) for r in (cut / "metrics.jsonl").read_text().splitlines()]
     full_rows = [json.loads(r) for r in (full / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("lr") for r in rows] == [r.get("lr") for r in full_rows]
