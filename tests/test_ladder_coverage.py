@@ -108,3 +108,23 @@ def test_the_bootstrap_over_three_seeds_fails_the_same_check():
         if cover < 0.93 or max(low_above, high_below) > 0.04:
             failed.append(setting)
     assert failed == list(SETTINGS)
+
+
+def test_welch_satterthwaite_df_over_three_seeds_rejects_too_often_and_hsus_does_not():
+    """Why Hsu's df (fewest seeds - 1): the statistic at the true crossing (a third of the way
+    between two rungs of the recipe's ladder at sd 0.025, the candidate at sd 0.079, 3 seeds
+    each), 40,000 draws: against t at Welch-Satterthwaite's df a 5% test rejects more than 5.5%
+    of them, against t at 2 df at most 5%."""
+    from gptrain.logs.stats import student_t_ppf
+
+    rng = np.random.default_rng(1)
+    w, sd = 1 / 3, np.array([0.025, 0.025, 0.079])
+    c = np.array([1 - w, w, -1.0])
+    draws = rng.normal(0, 1, (40_000, 3, SEEDS)) * sd[None, :, None]
+    terms = c**2 * draws.var(axis=2, ddof=1) / SEEDS
+    t = np.abs((c * draws.mean(axis=2)).sum(axis=1)) / np.sqrt(terms.sum(axis=1))
+    satterthwaite = terms.sum(axis=1) ** 2 / (terms**2 / (SEEDS - 1)).sum(axis=1)
+    grid = np.linspace(2, 6, 401)  # df from 2 (one group) to 6 (all three alike)
+    q = np.interp(satterthwaite, grid, [student_t_ppf(0.975, d) for d in grid])
+    assert np.mean(t > q) > 0.055
+    assert np.mean(t > student_t_ppf(0.975, SEEDS - 1)) <= 0.05

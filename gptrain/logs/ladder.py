@@ -21,8 +21,8 @@ x equals the candidate's mean loss" does not reject at LEVEL. At x between rungs
 share w of the way, the statistic is ((1-w) L_j + w L_j+1 - L_c) / sqrt((1-w)^2 v_j + w^2 v_j+1 +
 v_c) (v: a group's variance of its mean, s^2 / n), compared with Student's t quantile at Hsu's
 degrees of freedom, the fewest seeds in any group minus 1: with 3 seeds Welch-Satterthwaite's
-degrees of freedom overstate the certainty (simulated at the study's noise: a 5% test rejected
-up to 6.4% of true hypotheses; at Hsu's, at most 3.0%). Within a segment the accepted x solve a quadratic exactly. The
+degrees of freedom overstate the certainty (at the prose-large-1x cell's noise a 5% test at
+their df rejects 6.1% of true hypotheses, at Hsu's 2.8%: tests/test_ladder_coverage.py). Within a segment the accepted x solve a quadratic exactly. The
 interval spans the accepted x of every segment; an end that reaches the lowest or the top rung is
 open (None): the ladder cannot say how far beyond it lies. No accepted x at all: the crossing lies
 beyond the ladder at LEVEL, on the candidate's side ([the top rung, open) or (open, the lowest]).
