@@ -15,8 +15,11 @@ import replicas_worker
 import torch
 
 from gptrain.checkpoint import manager as checkpoint
-from gptrain.distributed import faults, replicas
+from gptrain.config.sections import DistConfig
+from gptrain.distributed import faults, parallelize, replicas
 from gptrain.distributed.failures import EXIT_DIVERGED
+from gptrain.distributed.runtime import DistInfo
+from gptrain.model.gpt import GPT, GPTConfig
 
 
 def by_hand(t: torch.Tensor) -> list[int]:
@@ -80,6 +83,28 @@ def test_fsdp2_compares_only_what_is_replicated(one_process_group):
     assert not any(k.endswith(".exp_avg") or k.endswith(".exp_avg_sq") for k in named)
     assert named["optimizer group 0 lr"].tolist() == [1e-2]
     assert named["train_state.step"].tolist() == [1]
+
+
+def test_under_fsdp2_gptrains_model_leaves_only_adamws_step_counters_to_compare(one_process_group):
+    """gptrain's model sharded as parallelize shards it (one rank: the same placements as on
+    every rank): every parameter and every AdamW moment is a shard, skipped; the model has no
+    buffers; so the tensors compared are AdamW's per-parameter step counters (plain tensors every
+    rank holds), beside the groups' hyperparameters and the numbers passed."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    parallelize._fully_shard(model, model.blocks(), DistConfig(mode="fsdp"), DistInfo(), False, torch.float32)  # fmt: skip
+    assert parallelize.is_sharded(model) and list(model.buffers()) == []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(x, x)[1].backward()
+    optimizer.step()
+    named = dict(replicas.replicated(model, optimizer, {"train_state.step": 1}))
+    params = [n for n, _ in model.named_parameters()]
+    assert not set(params) & set(named)
+    tensors = {k for k in named if k.startswith("optimizer ") and " group " not in k}
+    assert tensors == {f"optimizer {n}.step" for n in params}
+    assert all(named[k].tolist() == 1.0 for k in tensors)  # one step taken
+    assert named["optimizer group 0 lr"].tolist() == [1e-2]
 
 
 @pytest.mark.slow

@@ -4,12 +4,20 @@ compare exact checksums of the state every one of them should hold bit for bit.
     tensors = replicated(model, optimizer, numbers)   # (name, tensor) in the same order on every rank
     check(tensors, info, step)                        # collective; raises ReplicaMismatch (exit 5)
 
-What is replicated: under DDP (and on one process) every parameter and optimizer-state tensor;
-under FSDP2 the parameters and their optimizer state are shards (DTensors, skipped: no two ranks
-hold the same one), so what remains is the numbers the caller passes (step, tokens, training
-time, skipped and rolled-back steps, the spike window, the data cursor) and every optimizer
-group's hyperparameters (the scheduled lr among them), compared under every parallelism. The RNG
-states are not: each rank's dropout stream is seeded with its rank, so they differ by design.
+What is replicated: under DDP (and on one process) every parameter and optimizer-state tensor.
+Under FSDP2 each parameter and each moment (AdamW's exp_avg and exp_avg_sq, Muon's momentum) is a
+shard (a DTensor, skipped): every element has one copy, on one rank, so there is no replica to
+compare. What remains is compared under every parallelism: AdamW's per-parameter step counters
+(plain tensors every rank keeps: a rank that skipped or repeated an update differs), every
+optimizer group's hyperparameters (the scheduled lr among them) and the numbers the caller
+passes (step, tokens, training time, skipped and rolled-back steps, the spike window, the data
+cursor). gptrain's models have no buffers and FSDP2 leaves no parameter unsharded, so nothing
+else is replicated. Unseen under FSDP2: a shard that goes wrong on its rank (a flipped bit, a
+faulty update) is the only copy; every rank all-gathers the same wrong value, the ranks stay
+consistent, and the checkpoint saves it. Only its effects can catch it: train.nonfinite (a NaN
+or inf gradient norm), train.spike (a loss or gradient-norm spike), the evaluation loss; the
+checkpoint's sha256s guard its files after they are written. The RNG states are not compared:
+each rank's dropout stream is seeded with its rank, so they differ by design.
 
 Each tensor's checksum is exact: its bytes read as integers of the element's width, then two
 sums in int64 (wrapping modulo 2^64, so the order of the reduction cannot change them): the
