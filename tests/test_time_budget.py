@@ -1,9 +1,9 @@
 """train.time_budget: the lr schedule, warmup included, follows training time (against the schedule
 computed by hand), and steps when max_steps comes first; the run stops inside the budget with its
 final evaluation and checkpoint; a budget run killed and resumed ends where the uninterrupted one
-does (bit for bit, with a clock that makes every step take 1 s), compiled or not; under DDP the ranks read one
-agreed clock; a budget under 1 s, or another budget than the checkpoint's on resume, is one line,
-exit 2, nothing written."""
+does (bit for bit, with a clock that makes every step take 1 s), compiled or not; under DDP the
+ranks read one agreed clock; a budget under 1 s, or another budget than the checkpoint's on
+resume, is one line, exit 2, nothing written."""
 
 import json
 import math
