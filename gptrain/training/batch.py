@@ -266,7 +266,9 @@ def trial_peak(
     """The CUDA peak bytes allocated during `trial_fits` without its reserve (FSDP2: with its
     collectives), its cached memory not released (see `agreed`); None on out-of-memory."""
     torch.cuda.reset_peak_memory_stats(device)
-    ok = trial_fits(wrapped, model, autocast, mb, seq_len, vocab_size, device, reserve=False, release=False)  # fmt: skip
+    ok = trial_fits(
+        wrapped, model, autocast, mb, seq_len, vocab_size, device, reserve=False, release=False
+    )
     return torch.cuda.max_memory_allocated(device) if ok else None
 
 
@@ -309,6 +311,13 @@ def resolve(
             decided_again("micro_batch_size", recorded, why, mb)
         )
     return mb, accumulation_steps(t.total_batch_size, mb, t.seq_len, info.world_size)
+
+
+def recorded_micro_batch(saved: dict) -> int | None:
+    """The micro-batch a resumed checkpoint's meta (`saved`) recorded with its speed choices
+    (checkpoints before that record: its "micro_batch_size"), or None."""
+    record = saved.get("speed_choices") or {}
+    return record.get("micro_batch_size", saved.get("micro_batch_size"))
 
 
 def _from_record(t: TrainConfig, world: int, options: list[int], recorded, warnings):

@@ -49,7 +49,6 @@ from gptrain.model.losses import chunk_rows
 from gptrain.training import facts
 from gptrain.training import float8 as fp8
 from gptrain.training import recorded as recorded_choices
-from gptrain.training.facts import Limits
 from gptrain.training.precision import DTYPES, auto_cuda_dtype, cuda_supports_bf16, resolve_dtype
 from gptrain.training.timing import (
     Clock,
@@ -81,7 +80,7 @@ MATMUL_MEMORY = 2**30  # bytes of probabilities matmul attention may keep for ba
 # copies); a GPU takes it only while that is at most this share of its free memory
 FULL_LOGITS_BYTES, LOGITS_MEMORY_SHARE = 12, 0.25
 SPLIT = "muon-split"  # the cache's kind of the Muon step's timings, split vs redundant
-ALONE = Limits(fp8=True, bf16=True, free=None, alike=True)  # no other rank's facts: no limit
+ALONE = facts.Limits(fp8=True, bf16=True, free=None, alike=True)  # no other rank's facts: no limit
 
 
 @dataclass(frozen=True)
@@ -155,7 +154,7 @@ def decide(
     compiled: bool = False,
     timer=None,
     cache_path: Path | None | bool = True,
-    limits: Limits | None = None,
+    limits: facts.Limits | None = None,
     recorded: dict | None = None,
 ) -> Choices:
     """The run's dtype, attention kernel, (muon_dtype not None) Muon dtype, (loss not None) loss
@@ -190,7 +189,7 @@ def decide(
     )
     here = _bf16_native(device, cuda, wants_bf16, measure, out)
     native = limits.bf16_native(here)
-    no_bf16 = f"rule: bf16 not native on every rank ({limits.differ()})" if here and not native else "rule: bf16 not native" if cuda else "measured: bf16 emulated"  # fmt: skip
+    no_bf16 = limits.no_bf16(here, cuda)
     if muon_dtype == "bfloat16" and not native:
         why = no_bf16.split(": ", 1)[1] if here else "compute capability < 8.0" if cuda else f"a bf16 matmul measured {out.bf16_ratio:.1f}x float32's time"  # fmt: skip
         if "muon_dtype" not in kept:
@@ -365,7 +364,7 @@ def decide_muon_split(
     *,
     timer=None,
     cache_path=True,
-    limits: Limits | None = None,
+    limits: facts.Limits | None = None,
 ) -> tuple[str, str, dict]:
     """optim.muon_split (o: the OptimConfig) for the Muon `matrices`: (choice, how, {mode: ms}),
     the same on every rank (warnings into out.warnings). Untimed: FSDP2 (always split), ranks that
@@ -383,8 +382,10 @@ def decide_muon_split(
     if rule:
         out.warnings += rule[3:]
         return rule[:3]
-    if o.muon_split != "auto" or recorded:
-        return (o.muon_split, "config", {}) if o.muon_split != "auto" else (recorded, "checkpoint", {})  # fmt: skip
+    if o.muon_split != "auto":
+        return o.muon_split, "config", {}
+    if recorded:
+        return recorded, "checkpoint", {}
     if info.world_size == 1:
         return "split", "rule: one process, the same code", {}
     counts = Counter(tuple(p.shape) for p in matrices)

@@ -57,7 +57,9 @@ def local(device: str, rank: int = 0, sharing: int = 1, env=os.environ) -> Facts
     if device.startswith("cuda"):
         cc = torch.cuda.get_device_capability(device)
         free = torch.cuda.mem_get_info(device)[0]
-        facts = Facts(machine(device), f"{cc[0]}.{cc[1]}", cc >= FP8_CAPABILITY, cc >= BF16_CAPABILITY, free)  # fmt: skip
+        facts = Facts(
+            machine(device), f"{cc[0]}.{cc[1]}", cc >= FP8_CAPABILITY, cc >= BF16_CAPABILITY, free
+        )
     else:
         flags = cpu_flags()
         available = available_memory()
@@ -141,6 +143,12 @@ class Limits:
         """Whether bf16 counts as native for the run, `here` being the main process's answer."""
         return here and (self.alike or self.bf16)
 
+    def no_bf16(self, here: bool, cuda: bool) -> str:
+        """How train.dtype reads where bf16 is not native (`here`: on the main process)."""
+        if here:
+            return f"rule: bf16 not native on every rank ({self.differ()})"
+        return "rule: bf16 not native" if cuda else "measured: bf16 emulated"
+
     def logits_fit(self, need: int, share: float) -> bool:
         """Whether `need` bytes are at most `share` of the least free memory of any rank."""
         return self.free is None or need <= share * self.free
@@ -178,7 +186,7 @@ def no_room_for_logits(device: str, need: int, share: float, limits: Limits) -> 
     if device.startswith("cuda") and need > share * torch.cuda.mem_get_info(device)[0]:
         return f"the full logits need {need / 2**30:.1f} GiB, over {share:.0%} of free memory"
     if not limits.logits_fit(need, share):
-        return f"the full logits need {need / 2**30:.1f} GiB, over {share:.0%} of the least free memory of any rank ({limits.free / 2**30:.1f} GiB)"  # fmt: skip
+        return f"the full logits need {need / 2**30:.1f} GiB, over {share:.0%} of the least free memory of any rank ({limits.free / 2**30:.1f} GiB)"
     return None
 
 
