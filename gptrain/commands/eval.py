@@ -71,7 +71,7 @@ def load_subject(a, device) -> tuple:
 def validation(
     model, tokenizer, data_dir, eval_tokens: int, seq_len: int, batch: int, info
 ) -> ValLoss:
-    """The val task on the data folder's first eval_tokens validation tokens."""
+    """The val task on eval_tokens validation tokens spread evenly over the data folder's val split."""
     dataset = Dataset(data_dir)
     if dataset.manifest["tokenizer"].get("hash") != tokenizer.hash:
         raise UserError(
