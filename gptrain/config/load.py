@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gptrain.config.fields import check, check_choices
 from gptrain.config.sections import (
+    ARCHS,
     GPT2_ONLY,
     NANOCHAT_ONLY,
     CheckpointConfig,
@@ -200,10 +201,43 @@ def load_config_text(
                 f"override {item!r} needs the form section.key=value, e.g. optim.lr=1e-3"
             )
         _apply(values, key.strip(), raw.strip(), from_cli=True)
+    init_from_arch(values["model"])
     cfg = Config(**{s: type(SECTIONS[s]())(**values[s]) for s in SECTIONS})
     cfg.check()  # sections.py: values wrong on their own (each section) or together (Config)
     check_arch_keys(cfg.model.arch, values["model"])
     return cfg
+
+
+def folder_arch(folder: str) -> str | None:
+    """The block (gpt2 or nanochat) of a model.init_from folder: its config.json's model_type
+    (absent: gpt2, as gptrain/model/hf.py load_hf_folder reads it); None when the file cannot be
+    read or names another model (the build then refuses the folder in one line)."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    arch = raw.get("model_type", "gpt2") if isinstance(raw, dict) else None
+    return arch if arch in ARCHS else None
+
+
+def init_from_arch(given: dict) -> None:
+    """model.init_from: the folder's config.json sets the architecture, so model.arch (the [model]
+    keys set in the file or on the command line: `given`, updated in place) becomes the folder's
+    block where it is not set, and is refused where it is set to the other block."""
+    folder = given.get("init_from")
+    arch = folder_arch(folder) if folder else None
+    if arch is None:
+        return
+    check_arch_of_folder(given.setdefault("arch", arch), arch, folder)
+
+
+def check_arch_of_folder(arch: str, found: str, folder: str) -> None:
+    """A UserError where model.arch names another block than the init_from folder holds."""
+    name = {"gpt2": "GPT-2", "nanochat": "NanoChat"}[found]
+    check(
+        arch == found,
+        f"model.arch = {arch!r} but model.init_from = {folder!r} holds a {name} model (config.json model_type {found!r}); drop model.arch (the folder sets it) or set --model.arch={found}",
+    )
 
 
 def other_arch_keys(arch: str) -> tuple[str, ...]:

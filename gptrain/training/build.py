@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gptrain.config.load import Config
+from gptrain.config.load import Config, check_arch_of_folder
 from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.host import keep_freed_memory
@@ -58,11 +58,13 @@ def materialise(model: torch.nn.Module, device: str) -> None:
 
 
 def _pretrained(cfg: Config, vocab_size: int):
-    """The weights of model.init_from; their config.json sets the architecture."""
+    """The weights of model.init_from; their config.json sets the architecture (loading the
+    config made model.arch the folder's, or refused another one: load.py init_from_arch)."""
     from gptrain.model.hf import load_hf_folder
 
     m = cfg.model
     model = load_hf_folder(m.init_from, dropout=m.dropout)
+    check_arch_of_folder(m.arch, model.arch, m.init_from)  # the folder changed since the load
     c = model.config
     if getattr(c, "bias", None) is True and not m.bias:
         raise UserError(
