@@ -7,16 +7,12 @@ replicas agreeing."""
 import json
 import shutil
 
-import pytest
 import torch
 from dist_helpers import DEBUG, FAST, spawn, wait_all
 from train_helpers import run, weights
 
 from gptrain.checkpoint import manager as checkpoint
 from gptrain.training import batch
-
-WIRING = "needs the speed-choice wiring of training/build.py and training/run.py (facts gathered, record reused)"  # fmt: skip
-pytestmark = pytest.mark.skip(reason=WIRING)
 
 
 def _gpu_like_trials(monkeypatch, state: dict) -> None:

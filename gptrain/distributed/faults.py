@@ -16,6 +16,8 @@
                                       requeued job would, after this one's heartbeat was late)
     GPTRAIN_FAULT=step_time@0.25      every step counts as 0.25 s of training time (train.time_budget's
                                       clock made deterministic; step_time@1.5/1: rank 1's only)
+    GPTRAIN_FAULT=facts@64/1          rank 1 reports another device to the speed choices: no FP8,
+                                      no native bf16, 64 MiB of memory (training/facts.py)
 
 STEP is the optimizer step being trained (1 is the first), for step_time a number of seconds
 (> 0); without /RANK a fault fires on every rank. A fault fires the first time its step is trained in a process (a `spike` rolled back past
@@ -56,6 +58,7 @@ KINDS = (
     "perturb",
     "lock_taken",
     "step_time",
+    "facts",
 )
 SPIKE_FACTOR = 20.0
 _NULL = contextlib.nullcontext()

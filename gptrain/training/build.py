@@ -14,6 +14,7 @@ from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.host import keep_freed_memory
 from gptrain.errors import UserError
+from gptrain.training import facts, recorded
 from gptrain.training import float8 as fp8
 from gptrain.training.choices import Choices, Shapes, decide, decide_muon_split
 from gptrain.training.precision import (
@@ -218,11 +219,13 @@ def speed_choices(
     """The run's measured speed choices (training/choices.py, `decide`): cfg (a config.Config)
     and its built `model` give the shapes (the micro-batch a CPU uses, the model's block, its Muon
     matrices, its vocabulary), `dtype` is train.dtype and `compile` train.compile (bench passes
-    its own), `fsdp` whether it shards. Decided on the main process; every rank gets the same
-    Choices. `saved`: the decisions a resumed checkpoint recorded (Choices.decisions()); a
-    resumed run keeps them for every key still auto, so that it computes exactly as before
-    whatever the cache holds (how: "checkpoint"), unless this device cannot run one of them (bf16
-    Muon where bf16 is emulated): then it decides afresh, with a warning."""
+    its own), `fsdp` whether it shards. Every rank's facts are gathered first (training/facts.py:
+    one all-gather), so that each choice is one every rank can run; decided on the main process,
+    every rank gets the same Choices. `saved`: the choices a resumed checkpoint recorded
+    (recorded.record()); a resumed run keeps them for every key still auto, so that it computes
+    exactly as before whatever the cache holds (how: "checkpoint"), except one that cannot run
+    here: that one alone is decided again, with a warning; an explicit value that differs from
+    its recorded choice is a warning too (training/recorded.py)."""
     from gptrain.training import batch
     from gptrain.training.optim import muon_split
 
@@ -238,30 +241,21 @@ def speed_choices(
     muon_dtype = o.muon_dtype if muon else None
     asked = {"dtype": dtype, "attention": t.attention, "muon_dtype": muon_dtype, "loss": t.loss}
     asked["float8"] = t.float8
-    kept = {k: saved[k] for k, v in asked.items() if v == "auto" and (saved or {}).get(k)}
     compile = t.compile if compile is None else compile
     how = dict(fsdp=fsdp, compiled=compile)  # FSDP2: blocks compiled, loss eager (decide)
+    limits = facts.agree(facts.gather(info))  # collective: what every rank can run
 
     def choose() -> Choices:
-        try:
-            out = decide(info.device, shapes, **{**asked, **kept}, **how)
-        except UserError:
-            if not kept:
-                raise
-            out = decide(info.device, shapes, **asked, **how)
-            out.warnings.append(
-                f"the checkpoint's speed choices {kept} cannot run on this device; decided again"
-            )
-            return out
-        out.how.update(dict.fromkeys(kept, "checkpoint"))
-        return out
+        return decide(info.device, shapes, **asked, **how, limits=limits, recorded=saved)
 
     out = dist.from_main(info, choose)
     if muon:
         start = time.perf_counter()
-        split = decide_muon_split(info, muon_split(model, 0.0)[0], o, out, fsdp, saved)
+        matrices = muon_split(model, 0.0)[0]
+        split = decide_muon_split(info, matrices, o, out, fsdp, saved, limits=limits)
         out.muon_split, out.how["muon_split"], out.split_ms = split
         out.seconds += time.perf_counter() - start
+    out.warnings += recorded.overridden(out.decisions() | {"compile": compile}, out.how, saved)
     return out
 
 

@@ -44,7 +44,7 @@ from gptrain.logs.loggers import (
 )
 from gptrain.logs.mfu import format_duration, format_flops, synchronize
 from gptrain.model.arch import config_to_dict
-from gptrain.training import batch
+from gptrain.training import batch, recorded
 from gptrain.training.build import build_training
 from gptrain.training.choices import Choices
 from gptrain.training.evaluator import EVAL_KEYS, Evaluator
@@ -206,6 +206,19 @@ def _check_budget(budget: str, ckpt, saved: dict) -> None:
     )
 
 
+def _micro_batch(cfg: Config, info, built, vocab_size: int, saved: dict, options: list[int]):
+    """(micro-batch, accumulation steps): a resumed run keeps its recorded micro-batch; auto on a
+    GPU takes the largest candidate that fits (trial steps)."""
+    t = cfg.train
+    dist.check_options(cfg.dist, 1, info, trial=batch.runs_trials(t, info))
+    recorded_mb = batch.recorded_micro_batch(saved)
+    model, wrapped, _, _, autocast, _ = built
+    args = (wrapped, model, autocast, vocab_size, options, recorded_mb)
+    mb, accum = batch.resolve(t, info, *args, built.choices.warnings)
+    dist.check_options(cfg.dist, accum, info)
+    return mb, accum
+
+
 def _build(
     cfg: Config, info, dataset: Dataset, ckpt, saved: dict, options: list[int], background: bool
 ) -> Run:
@@ -222,10 +235,7 @@ def _build(
         micro_batch=options[0],
     )
     model, wrapped, optimizer, ptdtype, autocast, scaler = built
-    # micro_batch_size = auto on a GPU: the largest candidate that fits (trial steps)
-    dist.check_options(cfg.dist, 1, info, trial=batch.runs_trials(t, info))
-    mb, accum = batch.resolve(t, info, wrapped, model, autocast, dataset.vocab_size, options)
-    dist.check_options(cfg.dist, accum, info)
+    mb, accum = _micro_batch(cfg, info, built, dataset.vocab_size, saved, options)
     loader = TrainLoader(  # its cursor counts windows, so any micro-batch resumes exactly
         dataset,
         t.seq_len,
@@ -246,7 +256,7 @@ def _build(
         "data_dir": str(dataset.data_dir),
         "micro_batch_size": mb,
         "config": to_toml(cfg),
-        "speed_choices": built.choices.decisions(),  # a resume computes the same way
+        "speed_choices": recorded.record(built.choices, t.compile, mb),  # a resume keeps them
     }
     e = cfg.eval
     byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
