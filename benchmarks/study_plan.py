@@ -1,5 +1,7 @@
 """The study's plan and speeds: `study.py plan` (each stage's runs, projected CPU hours and the
-hours left) and `study.py measure` (each size's tokens per CPU second on one thread here)."""
+hours left) and `study.py measure` (each size's and block's tokens per CPU second on one thread
+here: GPT-2's block as configs/study_baseline.toml, nanochat's as configs/study_nanochat_adamw.toml,
+both AdamW; an arm is projected at its block's speed, nanochat's at GPT-2's until measured)."""
 
 from __future__ import annotations
 
@@ -15,20 +17,29 @@ from pathlib import Path
 
 import study_progress
 import study_reuse
+import study_tuning
 from study_cells import (
-    ARMS,
     BASE,
+    NANOCHAT,
+    REPO,
     SIZES,
     batch_tokens,
     cells,
+    ladders,
     multiples,
     race_specs,
     run_seconds,
-    tune_cell,
+    tuning_dir,
 )
 
 from gptrain.cache import atomic_write_bytes
 from gptrain.errors import UserError
+
+
+def speed_of(speeds: dict[str, dict], size: str, arm: str) -> dict | None:
+    """The measured speed of `arm`'s block at `size` (nanochat's: GPT-2's until measured)."""
+    mine = speeds.get(f"{size}/nanochat") if arm.split("@")[0] in NANOCHAT else None
+    return mine or speeds.get(size)
 
 
 def plan_rows(args, speeds: dict[str, dict]) -> list[dict]:
@@ -36,26 +47,26 @@ def plan_rows(args, speeds: dict[str, dict]) -> list[dict]:
     where its size is not measured; study_progress reads what OUT already holds)."""
     rows = []
     for corpus in args.corpora:
-        cell = tune_cell(corpus)
-        n, speed = len(ARMS) * args.budget, speeds.get(cell.size.name)
-        s = n * run_seconds(cell, speed) if speed else None
-        left = s and s * study_progress.tuning_left(args.out / "tuning" / corpus)
-        rows.append({"stage": "tune", "cell": cell, "runs": f"{n} (+ up to {len(ARMS) * args.cap})", "s": s, "left": left})  # fmt: skip
-    for cell in cells(args.corpora):
+        for cell in study_tuning.tunings(args, corpus):
+            n, cap = len(args.arms) * args.budget, len(args.arms) * args.cap
+            each = [speed_of(speeds, cell.size.name, arm) for arm in args.arms]
+            s = None if None in each else args.budget * sum(run_seconds(cell, v) for v in each)
+            left = s and s * study_progress.tuning_left(tuning_dir(args.out, cell))
+            rows.append({"stage": "tune", "cell": cell, "runs": f"{n} (+ up to {cap})", "s": s, "left": left})  # fmt: skip
+    for cell in cells(args.corpora, args.cells):
         folder = args.out / "races" / cell.name
-        races = [(folder / f"{arms[0]}-ladder", multiples(text), arms) for text, arms in race_specs(args)]  # fmt: skip
-        runs = [  # each race: its ladder's rungs and one run of its other config, every seed
-            run  # (less the recipe race's baseline runs: copies of the ladder's, study_reuse)
-            for out, ladder, arms in races
-            for run in study_progress.race_runs(out, ladder, arms, args.seeds)
-            if study_reuse.twin(run[0], multiples(args.baseline_ladder)) is None
-        ]
-        speed, s, left = speeds.get(cell.size.name), None, None
-        if speed:
-            s = sum(run_seconds(cell, speed, m) for _, m in runs)
-            left = sum(run_seconds(cell, speed, m) * study_progress.run_left(run, round(cell.steps * m)) for run, m in runs)  # fmt: skip
-        copies = args.seeds if 1.0 in multiples(args.baseline_ladder) else 0
-        rows.append({"stage": "race", "cell": cell, "runs": f"{len(runs)} (+{copies} copied)", "s": s, "left": left})  # fmt: skip
+        every = [  # each race: its ladder's rungs and one run of its other config, every seed
+            run
+            for name, text, arms in race_specs(args)
+            for run in study_progress.race_runs(folder / name, multiples(text), arms, args.seeds)
+        ]  # less the runs that repeat an earlier race's: copies (study_reuse)
+        runs = [run for run in every if study_reuse.twin(run[0], ladders(args)) is None]
+        speed = [speed_of(speeds, cell.size.name, d.parent.name) for (d, _) in runs]
+        s, left = None, None
+        if None not in speed:
+            s = sum(run_seconds(cell, v, m) for v, (_, m) in zip(speed, runs, strict=True))
+            left = sum(run_seconds(cell, v, m) * study_progress.run_left(d, round(cell.steps * m)) for v, (d, m) in zip(speed, runs, strict=True))  # fmt: skip
+        rows.append({"stage": "race", "cell": cell, "runs": f"{len(runs)} (+{len(every) - len(runs)} copied)", "s": s, "left": left})  # fmt: skip
     return rows
 
 
@@ -82,6 +93,8 @@ def plan(args) -> int:
     print(f"\nprojected: {total:.1f} CPU hours (one thread per run); {wall:.1f} hours with --jobs "
           f"{args.jobs} (nothing else running) on {measured['machine']}, {measured['date']} "
           f"(tokens per CPU second: {rates})")  # fmt: skip
+    if any(a in NANOCHAT for a in args.arms) and not any("/" in k for k in speeds):
+        print("nanochat's block at GPT-2's speed: not measured here (study.py measure measures it)")  # fmt: skip
     print(f"left: {left:.1f} CPU hours; {left_wall:.1f} hours with --jobs {args.jobs} (each "
           f"unfinished run from its newest checkpoint, in {args.out})")  # fmt: skip
     return 0
@@ -140,17 +153,19 @@ def timed_run(cmd: list[str]) -> tuple[int, float, float]:
 
 
 def measure(args) -> int:
-    """Each size's training tokens per CPU second on one thread (~`seconds` of a baseline run
-    after start-up), and its start-up's CPU seconds: the share of a core the run had (its CPU
-    time over its wall time) turns wall-clock rates into CPU rates, so other jobs on the machine
-    move the numbers less."""
+    """Each size's and block's training tokens per CPU second on one thread (~`seconds` of a run
+    after start-up: GPT-2's block as the baseline, "<size>/nanochat" as nanochat_adamw), and its
+    start-up's CPU seconds: the share of a core the run had (its CPU time over its wall time)
+    turns wall-clock rates into CPU rates, so other jobs on the machine move the numbers less."""
     data = args.data_dir or str(args.data / f"{args.corpora[0]}-tune")
     if not Path(data, "manifest.json").is_file():
         raise UserError(f"{data} is not prepared; run python benchmarks/study_data.py first (or pass --data-dir)")  # fmt: skip
     sizes, load = {}, os.getloadavg()[0]
-    for size in SIZES.values():
-        run_dir = args.out / "measure" / size.name
-        cmd = [sys.executable, "-m", "gptrain", "train", "--config", str(BASE)]  # fmt: skip
+    blocks = (("", BASE), ("/nanochat", REPO / "configs/study_nanochat_adamw.toml"))
+    for size, (block, config) in ((s, b) for s in SIZES.values() for b in blocks):
+        key = size.name + block
+        run_dir = args.out / "measure" / key.replace("/", "-")
+        cmd = [sys.executable, "-m", "gptrain", "train", "--config", str(config)]
         cmd += [f"--{o}" for o in size.overrides()] + [f"--data.dir={data}", f"--run.dir={run_dir}"]
         cmd += [f"--train.time_budget={args.seconds}s", "--train.max_steps=100000"]
         cmd += ["--eval.every=0", "--eval.tokens=8192", "--checkpoint.every=0", "--log.every=1"]
@@ -161,12 +176,12 @@ def measure(args) -> int:
         rate = steady_rate(run_dir)
         share = min(1.0, cpu / wall)
         train_s = json.loads((run_dir / "summary.json").read_text())["train_s"]
-        sizes[size.name] = rate | {
+        sizes[key] = rate | {
             "cpu_share": share,
             "tok_per_cpu_s": rate["tok_per_s"] / share,
             "start_cpu_s": max(0.0, cpu - train_s * share),
         }
-        print(f"study: {size.name}: {rate['tok_per_s']:,.0f} tok/s with {share:.2f} of a core", file=sys.stderr)  # fmt: skip
+        print(f"study: {key}: {rate['tok_per_s']:,.0f} tok/s with {share:.2f} of a core", file=sys.stderr)  # fmt: skip
     record = {
         "machine": machine(),
         "date": datetime.date.today().isoformat(),

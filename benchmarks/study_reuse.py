@@ -1,15 +1,17 @@
-"""The recipe race's baseline runs are the baseline ladder's 1x runs: copied, not trained twice.
+"""A cell's runs that repeat a finished run of another of its races: copied, not trained twice.
 
-    source = twin(run_dir, baseline_ladder)   # the ladder's run a recipe-race run repeats, or None
+    source = twin(run_dir, ladders)   # the run `run_dir` repeats in an earlier race, or None
     copied = copy_finished(source, run_dir, expected_config_text)
 
-Both races of a cell train the baseline at 1x for seeds 1..N: the same config and seed in two
-folders, so the same run bit for bit. `copy_finished` copies the ladder's finished run into the
-recipe race's folder before that race starts, so the race finds it finished and does not start
-it. It copies only a run that has finished (its summary.json) and whose config.toml equals the
-one the recipe race would train but for run.dir; the copy is made beside the destination and
-renamed into place (a stop mid-copy leaves no half folder), and its config.toml names its own
-folder. A destination that exists is never touched.
+The races of a cell (benchmarks/study_cells.py RACES) share runs: the recipe race's baseline at
+1x is the baseline ladder's 1x run, nanochat's race's recipe at 1x is the recipe ladder's 1x run,
+and nanochat_adamw's race on the baseline's ladder has every rung of the baseline ladder's race:
+the same config and seed in two folders, so the same run bit for bit. `copy_finished` copies the
+earlier race's finished run into the later race's folder before that race starts, so the race
+finds it finished and does not start it. It copies only a run that has finished (its
+summary.json) and whose config.toml equals the one the later race would train but for run.dir;
+the copy is made beside the destination and renamed into place (a stop mid-copy leaves no half
+folder), and its config.toml names its own folder. A destination that exists is never touched.
 """
 
 from __future__ import annotations
@@ -18,18 +20,32 @@ import shutil
 import tomllib
 from pathlib import Path
 
+from study_cells import RACES
+
 from gptrain.cache import atomic_write_bytes
 
-RECIPE_RACE, BASELINE_RACE = "recipe-ladder", "baseline-ladder"
 
-
-def twin(run_dir: Path, baseline_ladder: list[float]) -> Path | None:
-    """The baseline ladder's 1x run that `run_dir` (OUT/races/<cell>/recipe-ladder/baseline/
-    seed_K) repeats; None for any other run, or when the ladder has no 1x rung."""
+def twin(run_dir: Path, ladders: dict[str, list[float]]) -> Path | None:
+    """The earlier race's run that `run_dir` (OUT/races/<cell>/<race>/<label>/seed_K) repeats:
+    a race's other arm at 1x is the 1x rung of the race that ladders that arm (when its ladder,
+    `ladders[arm]`, has a 1x rung); a rung is the same rung of an earlier race laddering the same
+    arm. None for any other run."""
     label, race = run_dir.parent.name, run_dir.parent.parent
-    if label != "baseline" or race.name != RECIPE_RACE or 1.0 not in baseline_ladder:
+    names = list(RACES)
+    if race.name not in RACES:
         return None
-    return race.parent / BASELINE_RACE / "baseline@1" / run_dir.name
+    laddered, other = RACES[race.name]
+    arm, at, multiple = label.rpartition("@") if "@" in label else (label, "", "")
+    if not at and arm == other:
+        for name, (first, _) in RACES.items():
+            if first == other and name != race.name and 1.0 in ladders.get(other, []):
+                return race.parent / name / f"{other}@1" / run_dir.name
+        return None
+    if at and arm == laddered:
+        for name in names[: names.index(race.name)]:
+            if RACES[name][0] == laddered:
+                return race.parent / name / f"{laddered}@{multiple}" / run_dir.name
+    return None
 
 
 def _same_but_folder(a: str, b: str) -> bool:

@@ -28,8 +28,9 @@ from study_cells import ARMS  # noqa: E402
 from gptrain.errors import UserError, first_line  # noqa: E402
 
 
-def points(path: Path, corpus: str) -> dict[str, dict[str, float]]:
-    """Each arm's recorded point on `corpus`; a UserError naming the fix when the record is bad."""
+def points(path: Path, corpus: str, arms=ARMS) -> dict[str, dict[str, float]]:
+    """Each of `arms`' recorded point on `corpus`; a UserError naming the fix when the record is
+    bad or lacks one of them."""
     try:
         record = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
@@ -37,14 +38,14 @@ def points(path: Path, corpus: str) -> dict[str, dict[str, float]]:
     table = record.get(corpus)
     if not isinstance(table, dict):
         raise UserError(f"--tuned {path}: no [{corpus}.*] tables; add the corpus's tuned points or tune it (--stages tune)")  # fmt: skip
-    return {arm: _point(path, corpus, arm, table.get(arm)) for arm in ARMS}
+    return {arm: _point(path, corpus, arm, table.get(arm)) for arm in arms}
 
 
 def _point(path: Path, corpus: str, arm: str, given) -> dict[str, float]:
     where = f"--tuned {path}: [{corpus}.{arm}]"
     axes = {a.name: a for a in tune.ARMS[arm].axes}
     if not isinstance(given, dict):
-        raise UserError(f"{where} is missing; give {', '.join(axes)}")
+        raise UserError(f"{where} is missing; give {', '.join(axes)}, tune the arm (leave out --tuned), or race without it (--arms)")  # fmt: skip
     if set(given) != set(axes):
         missing, unknown = sorted(set(axes) - set(given)), sorted(set(given) - set(axes))
         raise UserError(f"{where}: missing {missing or 'none'}, unknown {unknown or 'none'}; give exactly {', '.join(axes)}")  # fmt: skip
@@ -61,12 +62,15 @@ def _point(path: Path, corpus: str, arm: str, given) -> dict[str, float]:
     return point
 
 
-def finished(path: Path, corpus: str) -> dict[str, dict[str, float]]:
-    """Each arm's best point from a finished tuning's tune.json (benchmarks/tune.py)."""
+def finished(path: Path, corpus: str, arms=None) -> dict[str, dict[str, float]]:
+    """Each of `arms`' best point (None: every arm it tuned) from a finished tuning's tune.json
+    (benchmarks/tune.py)."""
     report = json.loads(path.read_text()) if path.is_file() else {}
     if not report.get("complete"):
         raise UserError(f"{path}: the tuning of {corpus} has not finished; run the tune stage first")  # fmt: skip
-    return {arm: report["arms"][arm]["best"]["point"] for arm in ARMS}
+    if missing := [arm for arm in arms or () if arm not in report["arms"]]:
+        raise UserError(f"{path}: the tuning of {corpus} has no {', '.join(missing)}; tune it in another --out, or race without it (--arms)")  # fmt: skip
+    return {arm: report["arms"][arm]["best"]["point"] for arm in arms or report["arms"]}
 
 
 def record(tunings: dict[str, Path]) -> str:

@@ -2,15 +2,26 @@
 trials of one seed on the tuning split, by the same search rule.
 
     python benchmarks/tune.py --data.dir=data/study/prose-tune --out tuning/prose [--budget 16]
-        [--arms baseline,recipe,ablation] [--cap 16] [--jobs 1] [--section.key=value ...]
+        [--arms baseline,recipe,ablation,nanochat,nanochat_adamw] [--cap 16] [--jobs 1]
+        [--section.key=value ...]
 
 The arms and what each searches (its config's values are the search's starting point):
 
-    baseline  configs/study_baseline.toml (llm.c's AdamW recipe): lr x warmup share x weight
-              decay (0, 0.1) x final-lr ratio (min_lr / lr)
-    recipe    configs/study_recipe.toml (Muon + wsd): Muon lr x AdamW lr x decay share
-    ablation  configs/study_ablation.toml (AdamW with the recipe's wsd, lr and no weight decay):
-              lr x decay share
+    baseline        configs/study_baseline.toml (llm.c's AdamW recipe) with the recipe's
+                    freedoms: lr x warmup share x weight decay (0, 0.1) x final-lr ratio
+                    (min_lr / lr) x beta2 (0.95, or BETA2_KEPT: 0.95's half-life in tokens at
+                    2^19-token batches kept at the study's 4,096) x embed_lr_factor (the
+                    embeddings' and head's lr, optim.embed_lr, as a factor of lr by powers of 2)
+    recipe          configs/study_recipe.toml (Muon + wsd): Muon lr x AdamW lr x decay share
+    ablation        configs/study_ablation.toml (AdamW with the recipe's wsd, lr and no weight
+                    decay): lr x decay share x warmup share (starting at the recipe's 2 steps of
+                    the tuning cell's 976, WARMUP_START)
+    nanochat        configs/study_nanochat.toml (the recipe on nanochat's block): as the recipe
+    nanochat_adamw  configs/study_nanochat_adamw.toml (nanochat's block with the baseline's
+                    AdamW): as the baseline, every freedom included
+
+Every axis starts at its arm's config (a factor of 1 leaves optim.embed_lr at 0, which is lr),
+except the ablation's warmup share, which starts at its 2 steps at the tuning cell's length.
 
 The rule, the same for every arm: a coordinate search on a lattice per axis (learning rates by
 factors of 2, shares by fixed steps, weight decay its two values), axes in a fixed order. Each
@@ -53,9 +64,14 @@ from gptrain.errors import UserError, first_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from search import Axis, Search, tune  # noqa: E402, F401  (tune: the search over every arm)
+from study_cells import batch_tokens, tune_cell  # noqa: E402
+
+from gptrain.training.optim import beta2_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 1
+BETA2_KEPT = beta2_at(batch_tokens())  # 0.95 at 2^19 tokens per step, the same half-life here
+WARMUP_START = 2 / tune_cell("prose").steps  # the recipe's 2 warmup steps at the tuning cell
 
 
 @dataclass(frozen=True)
@@ -71,33 +87,41 @@ class Arm:
                 out.append(f"optim.warmup_steps={round(value * max_steps)}")
             elif name == "final_lr_ratio":
                 out.append(f"optim.min_lr={value * point['lr']:.6g}")
+            elif name == "embed_lr_factor":  # 1: optim.embed_lr 0, which is lr itself
+                out.append(f"optim.embed_lr={0 if value == 1 else value * point['lr']:.6g}")
+            elif name == "beta2":  # every digit: 1 - beta2 is the half-life
+                out.append(f"optim.beta2={value!r}")
             else:
                 out.append(f"optim.{name}={value:.6g}")
         return out
 
 
+ADAMW_AXES = (  # the baseline's: llm.c's recipe's values and the recipe's freedoms
+    Axis("lr", 8e-3, 2.0),
+    Axis("warmup_share", 0.05, 0.05, "lin", 0.0, 0.5),
+    Axis("weight_decay", 0.1, 0.0, "cat", choices=(0.0, 0.1)),
+    Axis("final_lr_ratio", 0.1, 0.1, "lin", 0.0, 1.0),
+    Axis("beta2", 0.95, 0.0, "cat", choices=(0.95, BETA2_KEPT)),
+    Axis("embed_lr_factor", 1.0, 2.0),
+)
+MUON_AXES = (
+    Axis("muon_lr", 0.02, 2.0),
+    Axis("lr", 8e-3, 2.0),
+    Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0),
+)
 ARMS = {
-    "baseline": Arm(
-        "configs/study_baseline.toml",
-        (
-            Axis("lr", 8e-3, 2.0),
-            Axis("warmup_share", 0.05, 0.05, "lin", 0.0, 0.5),
-            Axis("weight_decay", 0.1, 0.0, "cat", choices=(0.0, 0.1)),
-            Axis("final_lr_ratio", 0.1, 0.1, "lin", 0.0, 1.0),
-        ),
-    ),
-    "recipe": Arm(
-        "configs/study_recipe.toml",
-        (
-            Axis("muon_lr", 0.02, 2.0),
-            Axis("lr", 8e-3, 2.0),
-            Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0),
-        ),
-    ),
+    "baseline": Arm("configs/study_baseline.toml", ADAMW_AXES),
+    "recipe": Arm("configs/study_recipe.toml", MUON_AXES),
     "ablation": Arm(
         "configs/study_ablation.toml",
-        (Axis("lr", 8e-3, 2.0), Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0)),
+        (
+            Axis("lr", 8e-3, 2.0),
+            Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0),
+            Axis("warmup_share", WARMUP_START, 0.05, "lin", 0.0, 0.5),
+        ),
     ),
+    "nanochat": Arm("configs/study_nanochat.toml", MUON_AXES),
+    "nanochat_adamw": Arm("configs/study_nanochat_adamw.toml", ADAMW_AXES),
 }
 
 

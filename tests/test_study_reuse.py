@@ -18,13 +18,34 @@ FAST = ["log.progress=false", "train.max_steps=4", "eval.every=2", "eval.tokens=
 FAST += ["eval.sample_every=0", "checkpoint.every=2", "optim.warmup_steps=1"]
 
 
+LADDERS = {"baseline": [0.5, 1.0, 2.0], "recipe": [0.125, 0.25, 0.5, 1.0]}
+LADDERS["nanochat"] = LADDERS["recipe"]
+
+
 def test_the_twin_of_a_recipe_race_baseline_run_is_the_ladders_1x_run(tmp_path):
     cell = tmp_path / "races" / "code-small-4x"
     run = cell / "recipe-ladder" / "baseline" / "seed_2"
-    assert study_reuse.twin(run, [0.5, 1.0, 2.0]) == cell / "baseline-ladder/baseline@1/seed_2"
-    assert study_reuse.twin(run, [0.5, 2.0]) is None  # no 1x rung: nothing to copy
-    assert study_reuse.twin(cell / "recipe-ladder" / "recipe@1" / "seed_2", [1.0]) is None
-    assert study_reuse.twin(cell / "baseline-ladder" / "baseline" / "seed_2", [1.0]) is None
+    assert study_reuse.twin(run, LADDERS) == cell / "baseline-ladder/baseline@1/seed_2"
+    no_1x = dict(LADDERS, baseline=[0.5, 2.0])
+    assert study_reuse.twin(run, no_1x) is None  # no 1x rung: nothing to copy
+    assert study_reuse.twin(cell / "recipe-ladder" / "recipe@1" / "seed_2", LADDERS) is None
+    assert study_reuse.twin(cell / "baseline-ladder" / "baseline" / "seed_2", LADDERS) is None
+    assert study_reuse.twin(cell / "baseline-ladder" / "ablation" / "seed_2", LADDERS) is None
+
+
+def test_the_block_races_repeat_the_recipe_ladders_1x_and_the_baseline_ladders_rungs(tmp_path):
+    """nanochat's race has the recipe at 1x (the recipe ladder's 1x run); nanochat_adamw's race
+    on the baseline's ladder has every rung of the baseline ladder's race; its own arm, and
+    nanochat's rungs, are trained."""
+    cell = tmp_path / "races" / "prose-large-1x"
+    nano, adamw = cell / "nanochat-ladder", cell / "nanochat_adamw-on-baseline-ladder"
+    assert study_reuse.twin(nano / "recipe" / "seed_3", LADDERS) == cell / "recipe-ladder/recipe@1/seed_3"  # fmt: skip
+    assert study_reuse.twin(nano / "nanochat@0.5" / "seed_3", LADDERS) is None
+    for m in ("0.5", "1", "2"):
+        want = cell / "baseline-ladder" / f"baseline@{m}" / "seed_1"
+        assert study_reuse.twin(adamw / f"baseline@{m}" / "seed_1", LADDERS) == want
+    assert study_reuse.twin(adamw / "nanochat_adamw" / "seed_1", LADDERS) is None
+    assert study_reuse.twin(cell / "elsewhere" / "baseline@1" / "seed_1", LADDERS) is None
 
 
 def config_text(byte_data, run_dir, *more) -> str:

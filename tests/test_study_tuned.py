@@ -20,6 +20,7 @@ from study_cells import ARMS  # noqa: E402
 from gptrain.errors import UserError  # noqa: E402
 
 RECORD = REPO / "benchmarks" / "study_tuned.toml"
+OLD = ("baseline", "recipe", "ablation")
 # points as tune.py's search makes them: geometric midpoints of a grid (not round numbers)
 POINTS = {
     "baseline": {
@@ -27,14 +28,22 @@ POINTS = {
         "warmup_share": 0.175,
         "weight_decay": 0.0,
         "final_lr_ratio": 0.15,
+        "beta2": tune.BETA2_KEPT,
+        "embed_lr_factor": 2**-1.5,
     },  # fmt: skip
     "recipe": {
         "muon_lr": math.sqrt(0.02 * math.sqrt(0.02 * 0.04)),
         "lr": 8e-3 / 3,
         "decay_fraction": 0.1375,
     },  # fmt: skip
-    "ablation": {"lr": math.sqrt(4e-3 * math.sqrt(4e-3 * 8e-3)), "decay_fraction": 0.3},
+    "ablation": {
+        "lr": math.sqrt(4e-3 * math.sqrt(4e-3 * 8e-3)),
+        "decay_fraction": 0.3,
+        "warmup_share": tune.WARMUP_START + 0.025,
+    },
+    "nanochat": {"muon_lr": 0.02 * 2**0.25, "lr": 8e-3 / 3, "decay_fraction": 0.1375},
 }
+POINTS["nanochat_adamw"] = dict(POINTS["baseline"], lr=8e-3 * 2**0.75, beta2=0.95)
 
 
 def finished_tuning(folder: Path, corpus: str, points: dict, complete=True) -> Path:
@@ -53,10 +62,13 @@ def test_a_record_of_finished_tunings_gives_their_points_back_exactly(tmp_path):
         assert study_tuned.points(path, corpus) == POINTS  # == on floats: bit for bit
 
 
-def test_the_committed_record_holds_every_arm_on_tune_pys_grid():
+def test_the_committed_record_holds_its_arms_on_tune_pys_grid():
+    """The record holds the three arms tuned then (the nanochat arms came later)."""
     for corpus in ("prose", "code"):
-        points = study_tuned.points(RECORD, corpus)
-        assert set(points) == set(ARMS)
+        points = study_tuned.points(RECORD, corpus, OLD)
+        assert set(points) == set(OLD) and set(ARMS) > set(OLD)
+        with pytest.raises(UserError, match=r"\[code.nanochat\] is missing.*--arms"):
+            study_tuned.points(RECORD, "code")
         for arm, point in points.items():
             for axis in tune.ARMS[arm].axes:
                 if axis.scale != "log":
@@ -119,7 +131,7 @@ def test_study_run_with_a_bad_record_stops_with_one_line_before_anything_runs(tm
     assert (
         done.stderr.strip().splitlines()
         == [
-            f"study: --tuned {path}: [prose.baseline]: missing ['final_lr_ratio', 'warmup_share', 'weight_decay'], unknown none; give exactly lr, warmup_share, weight_decay, final_lr_ratio",  # fmt: skip
+            f"study: --tuned {path}: [prose.baseline]: missing ['beta2', 'embed_lr_factor', 'final_lr_ratio', 'warmup_share', 'weight_decay'], unknown none; give exactly lr, warmup_share, weight_decay, final_lr_ratio, beta2, embed_lr_factor",  # fmt: skip
         ]
     )
     assert not out.exists() and not (tmp_path / "data").exists()

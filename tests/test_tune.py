@@ -194,10 +194,68 @@ def test_other_overrides_in_the_same_folder_are_refused(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(tune.ARMS))
 def test_each_arm_starts_at_its_config(name):
-    """The search's first point is the arm's preset: applying it changes nothing."""
+    """The search's first point is the arm's preset: applying it changes nothing. The ablation's
+    warmup share starts at its config's 2 steps at the tuning cell's length (its shares elsewhere
+    scale with the steps), so it is read there."""
+    from study_cells import tune_cell
+
     from gptrain.config.load import load_config
 
     arm = tune.ARMS[name]
-    cfg = load_config(str(REPO / arm.config))
+    steps = [f"train.max_steps={tune_cell('code').steps}"] if name == "ablation" else []
+    cfg = load_config(str(REPO / arm.config), steps)
     center = {a.name: a.center for a in arm.axes}
-    assert load_config(str(REPO / arm.config), arm.overrides(center, cfg.train.max_steps)) == cfg
+    assert load_config(str(REPO / arm.config), steps + arm.overrides(center, cfg.train.max_steps)) == cfg  # fmt: skip
+    if name == "ablation":
+        assert cfg.optim.warmup_steps == 2
+
+
+def test_the_baselines_freedoms_are_axes_of_both_adamw_arms():
+    """beta2 takes 0.95 and the value keeping 0.95's half-life in tokens at 2^19-token steps at
+    the study's batch (computed here from the half-life); the embeddings' lr is a factor of lr
+    by powers of 2, optim.embed_lr = factor x lr (1: 0, which means lr); the ablation searches
+    its warmup share too."""
+    from gptrain.config.load import load_config
+
+    batch = load_config(str(REPO / "configs/study_baseline.toml")).train.total_batch_size
+    half_life_tokens = math.log(0.5) / math.log(0.95) * 2**19
+    kept = 0.5 ** (batch / half_life_tokens)
+    for name in ("baseline", "nanochat_adamw"):
+        axes = {a.name: a for a in tune.ARMS[name].axes}
+        assert axes["beta2"].scale == "cat"
+        assert axes["beta2"].choices == pytest.approx((0.95, kept), rel=1e-12)
+        assert (axes["embed_lr_factor"].center, axes["embed_lr_factor"].step) == (1.0, 2.0)
+        assert axes["warmup_share"].scale == "lin"
+    assert "warmup_share" in [a.name for a in tune.ARMS["ablation"].axes]
+    arm = tune.ARMS["baseline"]
+    point = {"lr": 2e-3, "warmup_share": 0.05, "weight_decay": 0.1, "final_lr_ratio": 0.1}
+    point |= {"beta2": kept, "embed_lr_factor": 4.0}
+    cfg = load_config(str(REPO / arm.config), arm.overrides(point, 500))
+    assert cfg.optim.beta2 == kept  # every digit: 1 - beta2 sets the half-life
+    assert cfg.optim.embed_lr == pytest.approx(8e-3, rel=1e-5)
+    point["embed_lr_factor"] = 1.0
+    assert load_config(str(REPO / arm.config), arm.overrides(point, 500)).optim.embed_lr == 0
+
+
+def test_the_nanochat_arms_are_their_gpt2_twins_on_nanochats_block():
+    """configs/study_nanochat*.toml equal the recipe's and the baseline's configs but for the
+    block (and run.dir): the same data, batch, steps, evaluation and optimizer; their arms search
+    the same axes; and at the study's sizes nanochat's blocks hold 12C^2 per layer, GPT-2's
+    12C^2 + 13C."""
+    import tomllib
+
+    from gptrain.model.gpt import GPT, GPTConfig
+    from gptrain.model.nanochat import NanoChat, NanoChatConfig
+
+    for nano, gpt2 in (("nanochat", "recipe"), ("nanochat_adamw", "baseline")):
+        a, b = (tomllib.loads((REPO / tune.ARMS[n].config).read_text()) for n in (nano, gpt2))
+        assert a["model"].pop("arch") == "nanochat" and b["model"].pop("gelu") == "erf"
+        for t in (a, b):
+            t["run"].pop("dir")
+        assert a == b
+        assert tune.ARMS[nano].axes == tune.ARMS[gpt2].axes
+    for c, h in ((64, 4), (96, 6)):
+        n = NanoChat(NanoChatConfig(vocab_size=256, block_size=16, n_layer=4, n_head=h, n_embd=c))
+        g = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=h, n_embd=c))
+        blocks = [sum(p.numel() for k, p in m.named_parameters() if ".h." in k) for m in (n, g)]
+        assert blocks == [4 * 12 * c * c, 4 * (12 * c * c + 13 * c)]
