@@ -100,3 +100,56 @@ def test_only_a_finished_run_of_the_same_config_into_a_new_folder_is_copied(
     fresh = tmp_path / "recipe-ladder" / "baseline" / "seed_3"
     assert not study_reuse.copy_finished(ladder_run, fresh, config_text(byte_data, fresh))
     assert not fresh.exists()
+
+
+def test_a_cells_later_races_copy_exactly_the_runs_their_plans_repeat(tmp_path):
+    """The cell's configs as study.py writes them; each race planned by gptrain race itself
+    (race_plan.plan: the texts its runs train from); the earlier races' runs finished with the
+    config.toml gptrain train writes. study.py copies into the later races exactly the runs
+    that repeat one, each with the config that race's own run would have written."""
+    import study
+    from study_cells import cells
+
+    from gptrain.commands.race_plan import parse_args, plan
+
+    args = study.parse_args(["run", "--corpora", "code", "--seeds", "2", "--out", str(tmp_path)])
+    cell = cells(["code"], ("small-1x",))[0]
+    centers = {arm: {a.name: a.center for a in study.tune.ARMS[arm].axes} for arm in args.arms}
+    paths = study.cell_configs(args, cell, centers)
+    folder = tmp_path / "races" / cell.name
+
+    def runs(name, ladder, arms, finish):
+        out = folder / name
+        argv = ["--config", str(paths[arms[0]]), "--config", str(paths[arms[1]])]
+        p = plan(parse_args([*argv, "--ladder", ladder, "--seeds", "2", "--out", str(out)], ""))
+        want = {}
+        for label, text in p.texts.items():
+            (out / label).mkdir(parents=True, exist_ok=True)
+            (out / label / "config.toml").write_text(text)
+            for k in (1, 2):
+                run_dir = out / label / f"seed_{k}"
+                o = [f"train.seed={k}", f"run.dir={run_dir}"]
+                want[run_dir] = to_toml(load_config(str(out / label / "config.toml"), o))
+                if finish:
+                    run_dir.mkdir()
+                    (run_dir / "config.toml").write_text(want[run_dir])
+                    (run_dir / "summary.json").write_text("{}")
+        return want
+
+    runs("baseline-ladder", "0.5,1,2", ("baseline", "ablation"), True)
+    runs("recipe-ladder", "0.125,0.25,0.5,1", ("recipe", "baseline"), True)
+    for name, ladder, arms, copied in (
+        ("nanochat-ladder", "0.125,0.25,0.5,1", ("nanochat", "recipe"), ["recipe"]),
+        (
+            "nanochat_adamw-on-baseline-ladder",
+            "0.5,1,2",
+            ("baseline", "nanochat_adamw"),
+            ["baseline@0.5", "baseline@1", "baseline@2"],
+        ),  # fmt: skip
+    ):
+        want = runs(name, ladder, arms, False)
+        study.copy_twins(args, folder / name, ladder, arms, paths)
+        made = {d for d in want if d.is_dir()}
+        assert made == {d for d in want if d.parent.name in copied}
+        for d in made:
+            assert (d / "config.toml").read_text() == want[d]
