@@ -39,7 +39,7 @@ from gptrain.errors import UserError, first_line
 
 # Writing a DCP shard and hashing a file are CPU-bound. On a 2-core AMD EPYC (AVX2), 2 GiB took
 # 5.4-7.6 s to write by 1 thread, 3.9-4.5 s by 2 and 4.4-5.0 s by 4, and 1.75 s to hash by one,
-# 0.92 s by 2 (benchmarks/bench_ckpt_io.py; docs/resume.md, Save speed): one thread per core.
+# 0.92 s by 2 (benchmarks/RESULTS.md, "Checkpoint I/O"): one thread per core.
 MAX_IO_THREADS = 8
 
 STEP_PREFIX = "step_"

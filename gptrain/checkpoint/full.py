@@ -107,7 +107,7 @@ def _write_folder(
         folder.fsync_file(tmp / "state.pt")
 
     # the two large files at once where threads allow (a GPT-2 124M-sized save on 2 cores:
-    # 1.4-2.0x faster, docs/resume.md "Save speed");
+    # 1.4-2.0x faster, benchmarks/RESULTS.md "Checkpoint I/O");
     # a write's error (a full disk) raises here, after both have ended
     writes = [write_model] + [write_state] * (state is not None)
     folder.in_threads(lambda write: write(), writes, threads)

@@ -6,9 +6,9 @@ returns them on free, and shrinks its heap once more than its trim threshold is 
 A training step allocates and frees the same large activations every time, so every step pays
 a page fault for each 4 KiB page it touches first: measured on a 2-core AMD EPYC, the bench
 config's bf16 step took 277-313 ms with glibc's defaults and 226-251 ms without those faults
-(docs/benchmarks.md). `keep_freed_memory()` raises both thresholds, so freed memory stays mapped
-in the process (its resident size stays near its peak, as with any caching allocator) and the
-next step reuses it. CUDA memory has its own caching allocator and is not affected.
+(benchmarks/RESULTS.md, "Memory"). `keep_freed_memory()` raises both thresholds, so freed memory
+stays mapped in the process (its resident size stays near its peak, as with any caching
+allocator) and the next step reuses it. CUDA memory has its own caching allocator and is not affected.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ plain sum, and the sum weighted by each element's position (1, 2, 3, ...), which
 elements swapped. The sums are computed where the tensor lives (GPU or CPU), chunk by chunk, and
 read once per device. Then two all-gathers of a small CPU tensor on the default group (gloo;
 under nccl its CPU side is gloo: no device sync), within dist.timeout_s like every collective:
-the counts of tensors, then the [n, 2] checksums. Measured cost in docs/distributed.md
-("Replica check"). The ranks whose checksums differ from the largest group of equal ranks (ties:
+the counts of tensors, then the [n, 2] checksums. Measured cost: benchmarks/RESULTS.md, "Several
+processes on CPUs". The ranks whose checksums differ from the largest group of equal ranks (ties:
 the group with the lowest rank) are named with the first tensor where they differ.
 """
 

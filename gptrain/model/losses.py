@@ -26,7 +26,8 @@ LOSS_CHUNK_ELEMENTS = 2**25
 # torch.compile unrolls the chunk loop into its graph, and the compile time grows with the chunks
 # (measured on an AVX2 EPYC, 2 layers, vocab 50257: 31.8 s with 1 chunk, 35.5 s with 4, 53.5 s
 # with 8, 121.5 s with 32; GPT-2 124M's 64 x 1024 micro-batch has 99): a compiled loss takes at
-# most this many chunks, each then at most 1/8 of the full logits (docs/benchmarks.md).
+# most this many chunks, each then at most 1/8 of the full logits (benchmarks/RESULTS.md,
+# "Compiled loss").
 MAX_COMPILED_CHUNKS = 8
 
 
