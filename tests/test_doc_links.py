@@ -124,3 +124,21 @@ def test_the_checker_finds_links_planted_broken(tmp_path):
             "benchmarks/results/x.md: ../../docs/a.md#gpu (no such anchor)",
         ]
     ), broken
+
+
+def test_the_checker_finds_a_link_broken_in_a_copy_of_the_real_docs(tmp_path):
+    """The real pages copied (only the Markdown: a link to another file of the checkout counts as
+    broken in the copy from the start); one heading renamed and one page removed in the copy add
+    exactly the links that pointed at them."""
+    for path in doc_files(REPO):
+        dest = tmp_path / path.relative_to(REPO)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(path.read_text())
+    before = set(broken_links(doc_files(tmp_path), tmp_path))
+    resume = tmp_path / "docs" / "resume.md"
+    resume.write_text(resume.read_text().replace("## Preemption\n", "## Signals\n"))
+    (tmp_path / "docs" / "huggingface.md").unlink()
+    added = set(broken_links(doc_files(tmp_path), tmp_path)) - before
+    assert any("resume.md#preemption (no such anchor)" in b for b in added), added
+    assert any("huggingface.md (no such file)" in b for b in added), added
+    assert all("#preemption" in b or "huggingface.md" in b for b in added), added
