@@ -8,7 +8,7 @@ layer's forward + backward on bf16 q, k, v (median over alternating rounds, afte
 allocator setting, as a training run has it), and the relative error of the q, k and v gradients
 against float64 SDPA (queries scaled by 3 for sharp attention, where rounding matters). The third
 column set is every matmul product in bf16 (a softmax in float32 between): a variant that trains
-worse (docs/benchmarks.md, "Attention kernel"), kept here as the reference for what rounding costs.
+worse (benchmarks/RESULTS.md, "Attention kernel"), kept here as the reference for what rounding costs.
 """
 
 from __future__ import annotations

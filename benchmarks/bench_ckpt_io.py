@@ -12,7 +12,7 @@ For each thread count, in alternating rounds (a shared host's load hits every co
   (model.safetensors) and two thirds as AdamW moments (state.pt), as a one-process or DDP run
   writes it: the two files, their hashes, meta.json, the publishing renames (write column).
 Prints seconds and GiB/s per round, and the thread count auto picks here (folder.io_threads).
-Results: docs/benchmarks.md, "Checkpoints (I/O)".
+Results: benchmarks/RESULTS.md, "Checkpoint I/O".
 """
 
 from __future__ import annotations
