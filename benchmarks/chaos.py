@@ -7,6 +7,7 @@ cross-world-size tests (rtol 1e-5, atol 1e-6), the data cursor exactly.
 
     .venv/bin/python benchmarks/chaos.py --events 5 --seed 3 --data DIR     # DIR: prepared data
     .venv/bin/python benchmarks/chaos.py --mode fsdp --optim adamw --data DIR
+    .venv/bin/python benchmarks/chaos.py --arch nanochat --data DIR          # the nanochat block
 
 Every drill has, in an order drawn from the seed, one attempt with each of:
 - kill_save: GPTRAIN_FAULT=kill_save@STEP/RANK on a checkpoint step: that rank SIGKILLs itself
@@ -66,12 +67,14 @@ launch = subprocess.Popen  # tests/test_chaos.py swaps in tests/forked.py's Pope
 @dataclass(frozen=True)
 class Run:
     """The drilled run: its data, length, parallelism (full checkpoints under ddp, sharded DCP
-    ones under fsdp) and optimizer (muon: Muon for the block matrices, AdamW for the rest)."""
+    ones under fsdp), optimizer (muon: Muon for the block matrices, AdamW for the rest) and
+    block (model.arch: gpt2 or nanochat)."""
 
     data: Path
     steps: int = 60
     mode: str = "ddp"
     optim: str = "muon"
+    arch: str = "gpt2"
 
     @property
     def last_event(self) -> int:
@@ -83,6 +86,7 @@ class Run:
         cmd += [str(REPO / "configs" / "debug.toml"), f"--data.dir={self.data}"]
         cmd += [f"--run.dir={run_dir}", f"--train.max_steps={self.steps}", *ARGS]
         cmd += [*MODES[self.mode if nproc > 1 else "ddp"], *OPTIMS[self.optim]]
+        cmd += [f"--model.arch={self.arch}"]
         return [*cmd, f"--dist.nproc_per_node={nproc}", *extra]
 
 
@@ -306,7 +310,7 @@ def drill(run: Run, events: int, seed: int, workdir: Path, echo=print) -> bool:
     if exact or close:
         return False
     echo(
-        f"OK: {run.mode}, {run.optim}: weights, optimizer state ({counts(want)}) and data cursor "
+        f"OK: {run.mode}, {run.optim}, {run.arch}: weights, optimizer state ({counts(want)}) and data cursor "
         f"equal to the uninterrupted run's bit for bit at step {handoff}, within rtol {RTOL} / "
         f"atol {ATOL} at step {run.steps} after the leg on one process (data cursor exactly)"
     )
@@ -320,9 +324,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--mode", choices=sorted(MODES), default="ddp")
     p.add_argument("--optim", choices=sorted(OPTIMS), default="muon")
+    p.add_argument("--arch", choices=["gpt2", "nanochat"], default="gpt2", help="model.arch")
     p.add_argument("--data", required=True, help="a folder written by gptrain prepare")
     a = p.parse_args()
-    run = Run(Path(a.data), a.steps, a.mode, a.optim)
+    run = Run(Path(a.data), a.steps, a.mode, a.optim, a.arch)
     with tempfile.TemporaryDirectory() as tmp:
         return 0 if drill(run, a.events, a.seed, Path(tmp)) else 1
 

@@ -1,5 +1,5 @@
 """The chaos drill (benchmarks/chaos.py), short: a 2-rank run with Muon (and AdamW for the rest),
-DDP (full checkpoints) and FSDP2 (sharded ones), 30 steps, a rank SIGKILLed inside an evaluation
+DDP (full checkpoints) and FSDP2 (sharded ones), GPT-2's block (and nanochat's under FSDP2), 30 steps, a rank SIGKILLed inside an evaluation
 (GPTRAIN_FAULT=kill_eval), failing to publish a checkpoint, a rank SIGKILLed while a checkpoint is
 saved (kill_save: rank 0 under DDP; under FSDP2 this seed draws rank 1, dead once its shards are
 written), then handed off to one process; every fault fires where it is aimed; the
@@ -17,12 +17,14 @@ import chaos  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    ("mode", "arch"), [("ddp", "gpt2"), ("fsdp", "gpt2"), ("fsdp", "nanochat")]
+)
 def test_chaos_drill_kill_in_save_and_eval_failed_publish_other_world_size(
-    byte_data, tmp_path, monkeypatch, mode
+    byte_data, tmp_path, monkeypatch, mode, arch
 ):
     monkeypatch.setattr(chaos, "launch", forked.Popen)
-    run = chaos.Run(byte_data, steps=30, mode=mode, optim="muon")
+    run = chaos.Run(byte_data, steps=30, mode=mode, optim="muon", arch=arch)
     lines = []
     ok = chaos.drill(run, 0, 1, tmp_path, echo=lines.append)
     assert ok, lines
