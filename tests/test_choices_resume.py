@@ -67,8 +67,8 @@ def test_an_explicit_value_that_differs_on_resume_is_one_line(byte_data, tmp_pat
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_mixed_hardware_drill_agrees_on_choices_every_rank_can_run(byte_data, tmp_path, mode):
-    """Two gloo ranks (DDP, FSDP2), rank 1 reporting another device (GPTRAIN_FAULT=facts@1/1: no FP8, no
-    native bf16, 1 MiB): dtype, loss and Muon's split left to auto are decided for both (float32,
+    """Two gloo ranks (DDP, FSDP2), rank 1 reporting another device (GPTRAIN_FAULT=facts@1/1: no
+    FP8, no native bf16, 1 MiB): dtype, loss and Muon's split left to auto are decided for both (float32,
     the chunked loss by the rank with the least memory, split by rule), every rank prints the same
     choices, and the run trains to the end with its replicas agreeing at each checkpoint."""
     args = ["-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}", *FAST]
