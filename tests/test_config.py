@@ -321,6 +321,10 @@ def test_muon_weight_decay_is_its_own_key():
         ("optim.beta1=1.5", "optim.beta1 = 1.5 must be in [0, 1), e.g. --optim.beta1=0.9"),
         ("optim.beta1=-0.1", "optim.beta1 = -0.1 must be in [0, 1), e.g. --optim.beta1=0.9"),
         ("optim.embed_lr=-1e-3", "optim.embed_lr = -0.001 must be >= 0 (0: optim.lr)"),
+        (
+            "optim.head_lr=-1e-3",
+            "optim.head_lr = -0.001 must be >= 0 (0: the embeddings' lr, optim.embed_lr or optim.lr)",
+        ),  # fmt: skip
     ],
 )
 def test_bad_betas_and_embed_lr_are_one_line_exit_2(tmp_path, capsys, override, needle):
@@ -346,3 +350,15 @@ def test_embed_lr_is_its_own_key_beside_lr():
     text = help_text()
     assert "--optim.embed_lr (float, default 0.0)" in text
     assert "embeddings and the output head" in text.split("--optim.embed_lr")[1].split("--")[0]
+
+
+def test_head_lr_is_its_own_key_beside_embed_lr():
+    """optim.head_lr is set alone (lr and embed_lr keep their defaults), round-trips through the
+    resolved config, and --help says it is the untied head's lr."""
+    o = load_config(None, ["optim.name=muon", "optim.head_lr=4e-3"]).optim
+    assert (o.head_lr, o.embed_lr, o.lr) == (4e-3, 0.0, OptimConfig().lr)
+    cfg = load_config(None, ["optim.head_lr=4e-3"])
+    assert tomllib.loads(to_toml(cfg))["optim"]["head_lr"] == 4e-3
+    text = help_text()
+    assert "--optim.head_lr (float, default 0.0)" in text
+    assert "untied output head" in text.split("--optim.head_lr")[1].split("--")[0]

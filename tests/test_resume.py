@@ -28,6 +28,8 @@ from gptrain.checkpoint import manager as checkpoint
         (4, ["optim.name=muon", "optim.lr_schedule=wsd", "optim.decay_fraction=0.5"]),
         # the embeddings and head in an AdamW group of their own, at their own lr
         (6, ["optim.embed_lr=1e-2"]),
+        # nanochat's untied head in a group of its own, beside the embedding's
+        (6, ["model.arch=nanochat", "optim.embed_lr=1e-2", "optim.head_lr=2e-3"]),
     ],
 )
 def test_resume_equals_uninterrupted_run_bit_for_bit(byte_data, tmp_path, every, optim):
@@ -64,9 +66,13 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(byte_data, tmp_path, every,
     assert muon == ("optim.name=muon" in optim)
     embed = [g for g in sb["optimizer"]["param_groups"] if g.get("embed")]
     assert len(embed) == ("optim.embed_lr=1e-2" in optim)
+    nanochat = "model.arch=nanochat" in optim
     for g in embed:  # set by the schedule after the resume: 1e-2 x the debug config's min/lr
-        assert sorted(g["params"]) == ["transformer.wpe.weight", "transformer.wte.weight"]
+        want = ["transformer.wte.weight"] if nanochat else ["transformer.wpe.weight", "transformer.wte.weight"]  # fmt: skip
+        assert sorted(g["params"]) == want
         assert g["lr"] == pytest.approx(1e-2 * 3e-4 / 3e-3)
+    head = [g for g in sb["optimizer"]["param_groups"] if g.get("head")]
+    assert [(g["params"], g["lr"]) for g in head] == ([(["lm_head.weight"], pytest.approx(2e-3 * 3e-4 / 3e-3))] if nanochat else [])  # fmt: skip
     rows = [json.loads(r) for r in (cut / "metrics.jsonl").read_text().splitlines()]
     full_rows = [json.loads(r) for r in (full / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("lr") for r in rows] == [r.get("lr") for r in full_rows]

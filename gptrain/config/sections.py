@@ -18,7 +18,8 @@ from gptrain.config.model import ARCHS, GPT2_ONLY, NANOCHAT_ONLY, ModelConfig  #
 
 FLOAT8_HELP = "float8 matmuls (torchao: pip install 'gptrain[fp8]') in the blocks' Linear layers, under bf16, on GPUs with FP8 (compute capability >= 8.9): on, off, or auto: the shapes timed faster"
 FSDP_REDUCE_HELP = "FSDP2 with accumulation: reduce-scatter every micro-step (each rank keeps its gradient shard) or on the last only (fewer transfers; each rank keeps the whole float32 gradient)"
-EMBED_LR_HELP = "peak lr of the token (and position) embeddings and the output head, with AdamW under both optim.name values, scheduled as lr; 0: optim.lr"
+EMBED_LR_HELP = "peak lr of the token (and position) embeddings and the output head (unless optim.head_lr), with AdamW under both optim.name values, scheduled as lr; 0: optim.lr"
+HEAD_LR_HELP = "peak AdamW lr of an untied output head (nanochat's), scheduled as lr; 0: the embeddings' lr (embed_lr, else lr); a tied head (gpt2) is refused"
 MUON_SPLIT_HELP = "muon only, 2+ processes: split: each matrix orthogonalised on one rank, sent to the others (FSDP2: always); redundant: every DDP rank does every matrix; auto: split"
 
 
@@ -137,6 +138,7 @@ class OptimConfig:
     )
     lr: float = opt(1e-3, "peak AdamW learning rate (reached after warmup)")
     embed_lr: float = opt(0.0, EMBED_LR_HELP)
+    head_lr: float = opt(0.0, HEAD_LR_HELP)
     min_lr: float = opt(1e-4, "AdamW learning rate at the end of the schedule")
     warmup_steps: int = opt(20, "linear warmup steps")
     lr_schedule: str = opt(
@@ -186,6 +188,10 @@ class OptimConfig:
         for key in ("weight_decay", "muon_weight_decay"):
             check(getattr(self, key) >= 0, f"optim.{key} = {getattr(self, key)} must be >= 0")
         check(self.embed_lr >= 0, f"optim.embed_lr = {self.embed_lr} must be >= 0 (0: optim.lr)")
+        check(
+            self.head_lr >= 0,
+            f"optim.head_lr = {self.head_lr} must be >= 0 (0: the embeddings' lr, optim.embed_lr or optim.lr)",
+        )
         for key, low, e in (("beta1", "[0", 0.9), ("beta2", "(0", 0.95), ("muon_momentum", "[0", 0.95)):  # fmt: skip
             value = getattr(self, key)
             inside = (0 <= value if low == "[0" else 0 < value) and value < 1

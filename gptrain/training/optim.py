@@ -3,7 +3,9 @@ schedules (warmup + cosine; warmup, stable, linear decay).
 
 optim.embed_lr (> 0) gives the embeddings and the output head (`embed_head`) an AdamW group of their
 own at that peak lr, in both modes, scheduled as optim.lr (set_lr); 0 leaves them in the groups
-they always had (so checkpoints written without it resume unchanged).
+they always had (so checkpoints written without it resume unchanged). optim.head_lr (> 0) gives an
+untied output head (nanochat's lm_head) a group of its own at that lr, out of the embeddings'; a
+tied head (GPT-2's: the token embedding itself) is refused, it has no lr apart from wte's.
 
 Weight decay applies to matrices (embeddings and Linear weights, dim >= 2) and not to biases or
 LayerNorm parameters: optim.weight_decay to AdamW's matrices, optim.muon_weight_decay to Muon's
@@ -48,16 +50,37 @@ def embed_head(model: nn.Module) -> list:
     return list({id(p): p for p in found if p.requires_grad}.values())
 
 
-def split_embed_head(model: nn.Module, groups: list[dict], weight_decay: float) -> list[dict]:
-    """optim.embed_lr > 0: `groups` (AdamW's) with the embeddings and the head taken out into a
-    group of their own, marked "embed" (set_lr gives it the embed lr; the mark is saved with the
-    optimizer state), decayed as the other matrices; empty groups are left out (a nanochat
-    model has no 1-D parameters, and a checkpoint's optimizer may have one empty group only)."""
-    embed = embed_head(model)
-    ids = {id(p) for p in embed}
+def untied_head(model: nn.Module):
+    """The output head's weight where it is a parameter of its own (nanochat's lm_head), else None
+    (GPT-2's head is wte itself; a model without model.lm_head has none)."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        return None
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return None if id(head.weight) in embeddings else head.weight
+
+
+def split_own_lrs(model: nn.Module, groups: list[dict], cfg: OptimConfig) -> list[dict]:
+    """`groups` (AdamW's) with the parameters that have an lr of their own taken out, into groups
+    decayed as the other matrices and marked for set_lr (the marks are saved with the optimizer
+    state): cfg.embed_lr > 0: the embeddings, and the head unless it has its own, marked "embed";
+    cfg.head_lr > 0: the untied head, marked "head" (a tied head: UserError). Empty groups are
+    left out (a nanochat model has no 1-D parameters, and a checkpoint's optimizer may have one
+    empty group only). Neither key set: `groups` unchanged."""
+    head = untied_head(model) if cfg.head_lr > 0 else None
+    if cfg.head_lr > 0 and head is None:
+        raise UserError(
+            f"optim.head_lr = {cfg.head_lr} is the lr of an untied output head, but this model's head is its token embedding (tied, as GPT-2's): set optim.head_lr=0 and give both one lr with optim.embed_lr, or use model.arch=nanochat"
+        )
+    own = [{"params": [head], "weight_decay": cfg.weight_decay, "head": True}] if head is not None else []  # fmt: skip
+    if cfg.embed_lr > 0:
+        embed = [p for p in embed_head(model) if p is not head]
+        own.insert(0, {"params": embed, "weight_decay": cfg.weight_decay, "embed": True})
+    if not own:
+        return groups  # as without the keys, empty groups included: old checkpoints resume
+    ids = {id(p) for g in own for p in g["params"]}
     rest = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in groups]
-    mine = {"params": embed, "weight_decay": weight_decay, "embed": True}
-    return [g for g in (mine, *rest) if g["params"]]
+    return [g for g in (*own, *rest) if g["params"]]
 
 
 def muon_split(model: nn.Module, weight_decay: float) -> tuple[list, list[dict]]:
@@ -138,19 +161,17 @@ def build_optimizer(
     None: cfg.muon_dtype when explicit, else bf16, what torch.optim.Muon does), each matrix on
     one owner rank under FSDP2, and under DDP as `split_choice` says (the run's measured choice,
     Choices.muon_split; None: cfg.muon_split's rule, muon_splits). cfg.embed_lr > 0: the
-    embeddings and head in an AdamW group of their own (split_embed_head), in both modes."""
+    embeddings and head in an AdamW group of their own, cfg.head_lr > 0: an untied head in one of
+    its own (split_own_lrs), in both modes."""
     fused = device_type in ("cuda", "cpu")
     adamw = dict(
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused
     )
     if cfg.name == "adamw":
-        groups = param_groups(model, cfg.weight_decay)
-        if cfg.embed_lr > 0:
-            groups = split_embed_head(model, groups, cfg.weight_decay)
+        groups = split_own_lrs(model, param_groups(model, cfg.weight_decay), cfg)
         return torch.optim.AdamW(groups, **adamw)
     muon_params, groups = muon_split(model, cfg.weight_decay)
-    if cfg.embed_lr > 0:
-        groups = split_embed_head(model, groups, cfg.weight_decay)
+    groups = split_own_lrs(model, groups, cfg)
     muon = dict(
         lr=cfg.muon_lr,
         weight_decay=cfg.muon_weight_decay,
@@ -191,9 +212,9 @@ def check_muon_layout(model: nn.Module, muon_params: list) -> None:
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, cfg: OptimConfig) -> None:
     """Set this step's learning rate: `lr` (from lr_at) for the AdamW groups, and the same fraction
-    of the peak, lr / cfg.lr, of cfg.muon_lr for the Muon groups and of cfg.embed_lr for the
-    embeddings' and head's group (where optim.embed_lr > 0 made one): warmup, decay and the
-    min_lr / lr ratio are the same for all three. Taken from the config every step, so a resumed
+    of the peak, lr / cfg.lr, of cfg.muon_lr for the Muon groups, of cfg.embed_lr for the
+    embeddings' group and of cfg.head_lr for the untied head's (where those keys > 0 made them):
+    warmup, decay and the min_lr / lr ratio are the same for all four. Taken from the config every step, so a resumed
     run follows the config it is started with (a checkpoint's saved lrs are overwritten)."""
     fraction = lr / cfg.lr
     for group in optimizer.param_groups:
@@ -201,6 +222,8 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, cfg: OptimConfig) -> Non
             group["lr"] = cfg.muon_lr * fraction
         elif group.get("embed"):
             group["lr"] = (cfg.embed_lr or cfg.lr) * fraction
+        elif group.get("head"):
+            group["lr"] = cfg.head_lr * fraction
         else:
             group["lr"] = lr
 
