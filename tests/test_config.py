@@ -1,6 +1,7 @@
 """Config: precedence CLI > file > defaults, every error names the key, derived accumulation."""
 
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -224,7 +225,13 @@ def test_presets_load_and_help_documents_every_key():
     assert (nanochat.arch, nanochat.n_layer, nanochat.n_embd, nanochat.n_embd // nanochat.n_head) == ("nanochat", 12, 768, 128)  # fmt: skip
     small, twin = (load_config(str(REPO / "configs" / f"{n}.toml")) for n in ("small", "nanochat_small"))  # fmt: skip
     assert (twin.model.arch, twin.model.n_layer, twin.model.n_embd) == ("nanochat", small.model.n_layer, small.model.n_embd)  # fmt: skip
-    assert (twin.optim, twin.train, twin.data) == (small.optim, small.train, small.data)
+    assert (twin.train, twin.data) == (small.train, small.data)
+    big = load_config(str(REPO / "configs" / "nanochat_124m.toml")).optim
+    assert (big.name, big.embed_lr, big.head_lr > 0, big.warmup_steps) == ("muon", 0.0, True, 0)
+    # nanochat's width rule: the AdamW lrs x (n_embd / 768) ** -0.5; the rest as at 768
+    scale = (twin.model.n_embd / 768) ** -0.5
+    assert (twin.optim.lr, twin.optim.head_lr) == pytest.approx((big.lr * scale, big.head_lr * scale), rel=1e-5)  # fmt: skip
+    assert replace(twin.optim, lr=big.lr, head_lr=big.head_lr) == big
     text = help_text()
     assert "--dist.nnodes (int or MIN:MAX, default 1)" in text
     assert "--dist.hang_timeout_s (int or auto, default 'auto')" in text
