@@ -1,4 +1,4 @@
-"""The chaos drill (benchmarks/chaos.py), short: a 2-rank run with Muon (and AdamW for the rest),
+"""The chaos drill (benchmarks/drills/chaos.py), short: a 2-rank run with Muon (and AdamW for the rest),
 DDP (full checkpoints) and FSDP2 (sharded ones), GPT-2's block (and nanochat's under FSDP2), 30 steps, a rank SIGKILLed inside an evaluation
 (GPTRAIN_FAULT=kill_eval), failing to publish a checkpoint, a rank SIGKILLed while a checkpoint is
 saved (kill_save: rank 0 under DDP; under FSDP2 this seed draws rank 1, dead once its shards are
@@ -12,7 +12,7 @@ import forked
 import pytest
 from train_helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "drills"))
 import chaos  # noqa: E402
 
 

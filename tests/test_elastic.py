@@ -25,7 +25,7 @@ from train_helpers import DEBUG, REPO, run, weights
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "drills"))
 from chaos import workers as children  # noqa: E402  (processes whose parent is pid)
 
 

@@ -309,7 +309,7 @@ def test_converted_layers_compute_in_float8():
 
 
 def _gpu_check():
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
     import gpu_check
 
     return gpu_check
@@ -317,7 +317,7 @@ def _gpu_check():
 
 @pytest.mark.parametrize("dry", [False, True])
 def test_the_gpu_check_float8_row(monkeypatch, dry):
-    """benchmarks/gpu_check.py --float8: row 0's bench with train.float8 off, on and auto (a
+    """benchmarks/gpu/gpu_check.py --float8: row 0's bench with train.float8 off, on and auto (a
     dry run: off and auto), tokens/s against off, auto's choice; OK unless auto is over 3% slower
     than off on a GPU. Fake benches: nothing runs."""
     gpu_check = _gpu_check()

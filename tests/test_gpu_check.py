@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py, the GPU proof run, checked on a CPU: its dry run (tiny models, 2 gloo
+"""benchmarks/gpu/gpu_check.py, the GPU proof run, checked on a CPU: its dry run (tiny models, 2 gloo
 ranks) prints every row; --rows trains only what the rows asked for need; the real run where a
 CUDA device is present."""
 
@@ -9,21 +9,21 @@ import forked
 import pytest
 import torch
 
-sys.path.insert(0, str(h.REPO / "benchmarks"))
+sys.path.insert(0, str(h.REPO / "benchmarks" / "gpu"))
 import gpu_check  # noqa: E402
 
 
 def _script(*args):
     import subprocess
 
-    script = h.REPO / "benchmarks" / "gpu_check.sh"
+    script = h.REPO / "benchmarks" / "gpu" / "gpu_check.sh"
     env = h.env(PYTHON=sys.executable)
     return subprocess.run([str(script), *args], env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
 
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_prints_its_table(monkeypatch, capsys):
-    """benchmarks/gpu_check.sh --dry-run: every row of the GPU proof run, on tiny CPU models. The
+    """benchmarks/gpu/gpu_check.sh --dry-run: every row of the GPU proof run, on tiny CPU models. The
     script runs in this process, its commands forked (tests/forked.py); the shell wrapper is
     checked on its own: without a GPU and without --dry-run it is one line and exit code 2."""
     done = _script()

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_recipe.py, the recipe against llm.c's by time on a GPU, checked on a CPU: its dry
+"""benchmarks/gpu/gpu_recipe.py, the recipe against llm.c's by time on a GPU, checked on a CPU: its dry
 run trains the recipe for T and llm.c's recipe for T and 2T, each under its own time budget, and
 its table holds what each run's summary.json says; the same command again trains nothing; bad
 input is one line, exit code 2."""
@@ -10,7 +10,7 @@ import tomllib
 import forked
 from train_helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 import gpu_recipe  # noqa: E402
 
 

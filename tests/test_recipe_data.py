@@ -1,11 +1,11 @@
-"""benchmarks/recipe_data.py: the plays' split for the recipe race. The held-out plays are never
+"""benchmarks/cpu/recipe_data.py: the plays' split for the recipe race. The held-out plays are never
 in the tuning folders, every play is in exactly one folder, and the split follows the seed."""
 
 import sys
 
 from train_helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "cpu"))
 import recipe_data  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/study_block.py and study_saved.py: the block race's multiplier, computed from the runs
+"""benchmarks/study/study_block.py and study_saved.py: the block race's multiplier, computed from the runs
 and inverted as the recipe's; configs/nanochat_124m.toml's step count from the block's and the
 recipe's lower bounds, each dividing nothing when it is below 1.1, open, a bound or not measured;
 finished races kept in the repository and read back by `study.py report` when OUT lacks them."""
@@ -15,7 +15,7 @@ from train_helpers import REPO
 
 from gptrain.logs import ladder
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "study"))
 import study  # noqa: E402
 import study_block  # noqa: E402
 import study_saved  # noqa: E402

@@ -1,4 +1,4 @@
-"""benchmarks/study_data.py on fake pinned sources (a wheel and a .deb built here, no download):
+"""benchmarks/study/study_data.py on fake pinned sources (a wheel and a .deb built here, no download):
 the document split (every document in exactly one part, the report's val never in the tuning
 parts, the byte shares, the seed), what becomes a document, the sha256 check, and the BPE
 trained on the tuning train part alone."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from train_helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "study"))
 import study_data  # noqa: E402
 from study_data import Pick, Source  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""benchmarks/study.py's cells, tunings and plan: a cell named on one corpus or a kind on every
+"""benchmarks/study/study.py's cells, tunings and plan: a cell named on one corpus or a kind on every
 corpus; cells tuned at their own size and steps (--tune-cells), the tuning cell tuned only while
 a raced cell carries its points; the plan counts every tuning's trials and every race's runs, the
 copied ones apart, each at its block's speed."""
@@ -9,7 +9,7 @@ import sys
 import pytest
 from train_helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "study"))
 import study  # noqa: E402
 import study_plan  # noqa: E402
 import study_tuning  # noqa: E402
@@ -47,7 +47,7 @@ def test_the_tuning_cell_is_tuned_only_while_a_raced_cell_carries_its_points(tmp
     assert names(study_tuning.tunings(own, "prose")) == ["prose-large-1x"]
     part = args(tmp_path, *DECIDING, "--tune-cells", "code-large-1x")
     assert names(study_tuning.tunings(part, "code")) == ["code-small-1x", "code-large-1x"]
-    record = args(tmp_path, *DECIDING, "--tuned", str(REPO / "benchmarks/study_tuned.toml"))
+    record = args(tmp_path, *DECIDING, "--tuned", str(REPO / "benchmarks/study/study_tuned.toml"))
     assert study_tuning.tunings(record, "code") == []
 
 

@@ -1,11 +1,11 @@
-"""benchmarks/study_progress.py: the share of each run still to train, read from its folder as a
+"""benchmarks/study/study_progress.py: the share of each run still to train, read from its folder as a
 resumed run would (its newest checkpoint), and the runs of one race of the study."""
 
 import sys
 
 from train_helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "study"))
 import study_progress  # noqa: E402
 
 

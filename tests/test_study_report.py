@@ -1,4 +1,4 @@
-"""benchmarks/study_report.py: the study's table shows each cell's two races as the races computed
+"""benchmarks/study/study_report.py: the study's table shows each cell's two races as the races computed
 them: the recipe's multiplier, the inverse of the baseline's on the recipe's ladder, checked by
 hand with its interval, computed again from the runs; a bound never sets the step count; the ablation's bound with its p-value; the regime; the rungs that read
 the train split twice."""
@@ -13,7 +13,7 @@ from train_helpers import REPO
 from gptrain.errors import UserError
 from gptrain.logs.race import analyse
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "study"))
 import study_report  # noqa: E402
 
 SEEDS = ((1, -0.01), (2, 0.0), (3, 0.01))

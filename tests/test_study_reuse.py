@@ -1,4 +1,4 @@
-"""benchmarks/study_reuse.py: the recipe race's baseline runs are copies of the baseline ladder's
+"""benchmarks/study/study_reuse.py: the recipe race's baseline runs are copies of the baseline ladder's
 finished 1x runs. A copy is a finished run in its own folder (gptrain train there says already
 trained, as in the source), and nothing else is ever copied or overwritten."""
 
@@ -11,7 +11,7 @@ from train_helpers import DEBUG, REPO
 from gptrain.__main__ import main as cli
 from gptrain.config.load import load_config, to_toml
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "study"))
 import study_reuse  # noqa: E402
 
 FAST = ["log.progress=false", "train.max_steps=4", "eval.every=2", "eval.tokens=1024"]

@@ -1,4 +1,4 @@
-"""benchmarks/study_tuned.py: a study's tuning recorded as TOML, so that its races can be rerun
+"""benchmarks/study/study_tuned.py: a study's tuning recorded as TOML, so that its races can be rerun
 without tuning again. A record written from finished tunings gives back their points exactly; the
 committed record holds values on tune.py's grid; a bad record is one line and exit code 2 before
 anything runs."""
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from train_helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "study"))
 import study_tuned  # noqa: E402
 import tune  # noqa: E402
 from study_cells import ARMS  # noqa: E402
 
 from gptrain.errors import UserError  # noqa: E402
 
-RECORD = REPO / "benchmarks" / "study_tuned.toml"
+RECORD = REPO / "benchmarks" / "study" / "study_tuned.toml"
 OLD = ("baseline", "recipe", "ablation")
 # points as tune.py's search makes them: geometric midpoints of a grid (not round numbers)
 POINTS = {
@@ -124,7 +124,7 @@ def test_study_run_with_a_bad_record_stops_with_one_line_before_anything_runs(tm
     path = tmp_path / "tuned.toml"
     path.write_text("[prose.baseline]\nlr = 0.01\n")
     out = tmp_path / "study"
-    cmd = [sys.executable, str(REPO / "benchmarks/study.py"), "run", "--corpora", "prose"]
+    cmd = [sys.executable, str(REPO / "benchmarks/study/study.py"), "run", "--corpora", "prose"]
     cmd += ["--tuned", str(path), "--out", str(out), "--data", str(tmp_path / "data"), *stages]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
@@ -139,7 +139,7 @@ def test_study_run_with_a_bad_record_stops_with_one_line_before_anything_runs(tm
 
 def test_recording_an_unfinished_tuning_is_refused(tmp_path):
     finished_tuning(tmp_path, "prose", POINTS, complete=False)
-    cmd = [sys.executable, str(REPO / "benchmarks/study_tuned.py"), "--out", str(tmp_path)]
+    cmd = [sys.executable, str(REPO / "benchmarks/study/study_tuned.py"), "--out", str(tmp_path)]
     done = subprocess.run(cmd + ["--corpora", "prose"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert (

@@ -1,4 +1,4 @@
-"""benchmarks/tune.py's search with a fake trial (a bowl around a known optimum, no training): every
+"""benchmarks/study/tune.py's search with a fake trial (a bowl around a known optimum, no training): every
 best ends strictly inside its grid (or at a bound), edges are extended, every arm gets the same
 number of trials, and a stopped search resumes to the same trials."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 from train_helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "study"))
 import tune  # noqa: E402
 from tune import Axis, Search  # noqa: E402
 
