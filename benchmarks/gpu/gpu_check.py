@@ -2,7 +2,7 @@
 
     benchmarks/gpu/gpu_check.sh              # on a CUDA machine: every GPU of the node
     benchmarks/gpu/gpu_check.sh --dry-run    # CPU, tiny models, 2 gloo ranks, no compile row:
-                                         # checks the script itself (tests/test_gpu_check.py)
+                                             # checks the script itself (tests/test_gpu_check.py)
     benchmarks/gpu/gpu_check.sh --rows 0,4   # only these rows (and the runs they compare with)
     benchmarks/gpu/gpu_check.sh --float8     # only the float8 row (with --rows: those rows too)
 
