@@ -1,5 +1,5 @@
 """The compute multiplier's interval holds its level: ladder races of a known multiplier,
-simulated at the study's noise (benchmarks/study_cells.py, docs/study.md: 3 seeds per config,
+simulated at the study's noise (benchmarks/study/study_cells.py, docs/study.md: 3 seeds per config,
 ~0.5 nats per doubling of tokens, seed sd 0.015-0.08 for the baseline, 0.01-0.03 for the recipe),
 each analysed by gptrain/logs/ladder.py's `interval`, must cover the truth in 93% of them or
 more, and put either end past the truth in 4% or fewer, at every noise setting. The bootstrap

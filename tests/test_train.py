@@ -231,7 +231,7 @@ def test_deterministic_run_equals_the_default_one_on_a_cpu_and_resumes_bit_for_b
     """train.deterministic = true: torch's deterministic kernels for the run (it asks for them
     before its first matmul). CPU kernels already are, so the weights equal the default run's bit
     for bit, and a resumed deterministic run equals its uninterrupted twin bit for bit (on a GPU
-    the flag is what makes this hold: benchmarks/gpu_check.py row 3)."""
+    the flag is what makes this hold: benchmarks/gpu/gpu_check.py row 3)."""
     common = ["train.max_steps=6", "eval.every=0", "eval.sample_every=0", "checkpoint.every=3"]
     before = torch.are_deterministic_algorithms_enabled()
     try:
