@@ -332,7 +332,9 @@ class NanoChat(Generates, nn.Module):
         """Training (forward + backward) FLOPs per token at seq_len: 6 * num_params() (lm_head
         in, wte out) + 12 * n_layer * n_head * head_dim * seq_len (q@k^T and att@v over the
         full T x T matrix with the query heads, not halved for causality: the PaLM convention,
-        as GPT.flops_per_token)."""
+        as GPT.flops_per_token). Matmuls only: the RMSNorms, rotary embeddings, ReLU² and the
+        softcap are elementwise (under 1% of the matmuls' FLOPs at width 768) and left out, as
+        GPT-2's LayerNorms and GELU are."""
         cfg = self.config
         attn = 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
         return 6.0 * self.num_params() + attn
