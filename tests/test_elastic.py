@@ -20,13 +20,12 @@ import dist_helpers as h
 import forked
 import pytest
 import torch
-from train_helpers import DEBUG, REPO, run, weights
+from train_helpers import DEBUG, run, weights
 
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint
 
-sys.path.insert(0, str(REPO / "benchmarks" / "drills"))
-from chaos import workers as children  # noqa: E402  (processes whose parent is pid)
+children = forked.children  # the workers an agent started (forked ones are not its children)
 
 
 @pytest.mark.parametrize(
