@@ -19,12 +19,6 @@ Per command: the client sends argv, env, cwd and its stdio fds to the zygote (a 
 the zygote forks a monitor, which forks the worker and reports its pid, then its exit status.
 The worker is a grandchild of the zygote, so it is never a child of pytest: poll/wait read the
 monitor's report instead of waitpid.
-
-torch.distributed.run started this way (directly, or by `gptrain train --dist.nproc_per_node=N`)
-has its workers forked by the same zygote too, where their environment needs no other zygote:
-torch's launcher starts them through subprocess_handler's Popen, which the forked child points at
-its zygote. A worker's parent is then a monitor, not the launcher (nothing in gptrain reads it);
-`children(pid)` lists the processes a launcher started, forked or not.
 """
 
 from __future__ import annotations
@@ -36,7 +30,6 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -46,8 +39,6 @@ import time
 # variables read at run time, not while modules import: they may differ between children
 RUNTIME = ("GPTRAIN_", "PYTEST_", "WANDB_", "TORCHELASTIC_", "TORCH_NCCL_", "MASTER_", "SLURM_")
 RUNTIME_EXACT = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE",
-                 "NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
                  "PYTHONUNBUFFERED", "TORCH_FR_BUFFER_SIZE", "WAIT_FOR_PORT"}  # fmt: skip
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.run",
            "torch.distributed.checkpoint", "matplotlib", "gptrain.__main__",
@@ -119,20 +110,10 @@ def _stop_all():
         z.close()
 
 
-class _Home(_Zygote):
-    """The zygote a forked child came from, for the processes that child starts in turn."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def close(self):  # the zygote belongs to pytest's process, not to its children
-        pass
-
-
 class Forked:
     """The part of subprocess.Popen the tests use, for a process forked by a zygote."""
 
-    def __init__(self, args, argv, env, cwd, stdout, stderr, text, start_new_session, zygote=None):
+    def __init__(self, args, argv, env, cwd, stdout, stderr, text, start_new_session):
         self.args, self.returncode, self.stdin = args, None, None
         env = dict(os.environ if env is None else env)
         fds, self._close_after, parent_ends = [], [], {}
@@ -150,7 +131,7 @@ class Forked:
                 fds.append(fds[1])
             else:
                 fds.append(spec if isinstance(spec, int) else spec.fileno())
-        self._conn = (zygote or _zygote(env)).start(argv, env, cwd, fds, start_new_session)
+        self._conn = _zygote(env).start(argv, env, cwd, fds, start_new_session)
         for fd in self._close_after:
             os.close(fd)
         for name in ("stdout", "stderr"):
@@ -247,40 +228,9 @@ def run(args, *, env=None, cwd=None, capture_output=False, stdin=None, stdout=No
 # --- the zygote (runs as `python tests/forked.py serve SOCKET`) ------------------------------
 
 
-_HOME: tuple[str, tuple] | None = None  # in the zygote and its children: (socket, import key)
-
-
-def children(pid: int) -> list[int]:
-    """The processes `pid` started, in the order it started them: its children, and the ones
-    a zygote forked for it (grandchildren of the zygote, not children of `pid`)."""
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.append(int(p))
-    for z in _ZYGOTES.values():
-        for name in os.listdir(z.dir):
-            if name.startswith("child."):
-                try:
-                    with open(os.path.join(z.dir, name)) as f:
-                        by = int(f.read() or 0)
-                except (OSError, ValueError):
-                    continue
-                if by == pid and os.path.exists(f"/proc/{name[6:]}"):
-                    out.append(int(name[6:]))
-    return sorted(set(out))  # pids rise in the order processes start
-
-
 def _serve(path: str) -> None:
     import importlib
 
-    global _HOME
-    _HOME = (path, _import_key(os.environ))
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -328,42 +278,13 @@ def _monitor(conn, req, fds) -> None:
             os._exit(127)
     for fd in (*fds, ready_w):
         os.close(fd)
-    # who asked for it (children() reads it): the caller, which is not the worker's parent
-    record = os.path.join(os.path.dirname(_HOME[0]), f"child.{pid}")
     try:
-        caller = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]  # fmt: skip
-        with open(record + ".tmp", "w") as f:
-            f.write(str(caller))
-        os.replace(record + ".tmp", record)
         os.read(ready_r, 1)
         conn.send(str(pid).encode())
         _, status = os.waitpid(pid, 0)
         conn.send(str(os.waitstatus_to_exitcode(status)).encode())
     finally:
-        try:
-            os.remove(record)
-        except OSError:
-            pass
         os._exit(0)
-
-
-def _fork_torchrun_workers() -> None:
-    """torch.distributed.run's workers forked by this zygote, as tests/forked.py forks its
-    callers' commands; a worker whose environment differs in a variable read at import time
-    starts as a fresh process (subprocess.Popen)."""
-    try:
-        import torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler as handler
-    except ImportError:
-        return
-    home = _Home(_HOME[0])
-
-    def popen(args, env=None, stdout=None, stderr=None, start_new_session=False, **kw):
-        argv = _parse(args)
-        if argv is None or kw or _import_key(env or os.environ) != _HOME[1]:
-            return subprocess.Popen(args, env=env, stdout=stdout, stderr=stderr, start_new_session=start_new_session, **kw)  # fmt: skip
-        return Forked(args, argv, env, None, stdout, stderr, False, start_new_session, home)
-
-    handler.Popen = popen
 
 
 def _child(req, fds, ready: int) -> None:
@@ -384,7 +305,6 @@ def _child(req, fds, ready: int) -> None:
     os.environ.update(req["env"])
     os.write(ready, b"1")
     os.close(ready)
-    _fork_torchrun_workers()
     argv = list(req["argv"])
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     if argv[0] == "-u":

@@ -24,9 +24,6 @@ def test_chaos_drill_kill_in_save_and_eval_failed_publish_other_world_size(
     byte_data, tmp_path, monkeypatch, mode, arch
 ):
     monkeypatch.setattr(chaos, "launch", forked.Popen)
-    monkeypatch.setattr(
-        chaos, "workers", forked.children
-    )  # forked workers: not the launcher's children
     run = chaos.Run(byte_data, steps=30, mode=mode, optim="muon", arch=arch)
     lines = []
     ok = chaos.drill(run, 0, 1, tmp_path, echo=lines.append)

@@ -20,12 +20,13 @@ import dist_helpers as h
 import forked
 import pytest
 import torch
-from train_helpers import DEBUG, run, weights
+from train_helpers import DEBUG, REPO, run, weights
 
 from gptrain.__main__ import main as cli
 from gptrain.checkpoint import manager as checkpoint
 
-children = forked.children  # the workers an agent started (forked ones are not its children)
+sys.path.insert(0, str(REPO / "benchmarks" / "drills"))
+from chaos import workers as children  # noqa: E402  (processes whose parent is pid)
 
 
 @pytest.mark.parametrize(

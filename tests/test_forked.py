@@ -117,27 +117,3 @@ def test_a_forked_training_run_equals_a_fresh_process(byte_data, tmp_path):
     losses = [[r["loss"] for r in rs if "loss" in r] for rs in rows]
     assert losses[0] == losses[1] and len(losses[0]) == 5
     print(f"fresh {seconds['fresh']:.2f} s, forked {seconds['forked']:.2f} s")
-
-
-WORKER = """
-import os, sys
-print("rank", os.environ["RANK"], "preloaded", "torch" in sys.modules, flush=True)
-sys.exit(3 if os.environ["RANK"] == os.environ.get("FAIL_RANK") else 0)
-"""
-
-
-def test_torchrun_started_forked_forks_its_workers_too(tmp_path):
-    """torch.distributed.run started by forked.run starts its 2 workers from the zygote as well
-    (torch already imported: a fresh interpreter has not), each in its own session as torch
-    starts them; a worker's exit code reaches torchrun as a fresh worker's does."""
-    script = tmp_path / "w.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]  # fmt: skip
-    done = forked.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = sorted(x for x in done.stdout.splitlines() if x.startswith("rank"))
-    assert lines == ["rank 0 preloaded True", "rank 1 preloaded True"], done.stdout
-    failed = forked.run(cmd, env={**env, "FAIL_RANK": "1"}, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert failed.returncode == 1 and "exitcode  : 3" in failed.stderr, failed.stderr[-2000:]
-    assert "rank      : 1 (local_rank: 1)" in failed.stderr
