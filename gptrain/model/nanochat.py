@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptrain.model.attention import matmul_attention
-from gptrain.model.decode import Generates, KVCache
+from gptrain.model.base import LanguageModel
+from gptrain.model.decode import KVCache
 from gptrain.model.losses import (
     chunk_rows,
     chunked_loss,
@@ -198,8 +199,9 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
-class NanoChat(Generates, nn.Module):
-    """The NanoChat model (see the module docstring); `generate` comes from decode.Generates."""
+class NanoChat(LanguageModel):
+    """The NanoChat model (see the module docstring); `set_loss`, `set_attention`, `blocks` and `generate`:
+    base.LanguageModel."""
 
     arch = "nanochat"
 
@@ -217,24 +219,6 @@ class NanoChat(Generates, nn.Module):
         self.loss_chunk_rows: int | None = None  # None: losses.chunk_rows's default
         self.loss = "chunked"  # the training loss's path: set_loss
         self.init_weights()
-
-    def set_loss(self, impl: str) -> None:
-        """The mean loss's path: "chunked" (linear_cross_entropy, no full logits) or "full"
-        (full_cross_entropy); the same value and gradients. Per-token losses stay chunked."""
-        if impl not in ("chunked", "full"):
-            raise ValueError(f"loss {impl!r} must be chunked or full")
-        self.loss = impl
-
-    def set_attention(self, impl: str) -> None:
-        """Attention kernel for training and evaluation: "sdpa" or "matmul" (matmul_attention)."""
-        if impl not in ("sdpa", "matmul"):
-            raise ValueError(f"attention {impl!r} must be sdpa or matmul")
-        for block in self.transformer.h:
-            block.attn.impl = impl
-
-    def blocks(self) -> list[nn.Module]:
-        """The transformer blocks, in order (what FSDP, checkpointing and compile wrap one by one)."""
-        return list(self.transformer.h)
 
     @torch.no_grad()
     def init_weights(self) -> None:
