@@ -41,9 +41,16 @@ POINTS = {
         "decay_fraction": 0.3,
         "warmup_share": tune.WARMUP_START + 0.025,
     },
-    "nanochat": {"muon_lr": 0.02 * 2**0.25, "lr": 8e-3 / 3, "decay_fraction": 0.1375},
+    "nanochat": {
+        "muon_lr": 0.02 * 2**0.25,
+        "lr": 8e-3 / 3,
+        "decay_fraction": 0.1375,
+        "head_lr_factor": 2**-4.5,
+    },  # fmt: skip
 }
-POINTS["nanochat_adamw"] = dict(POINTS["baseline"], lr=8e-3 * 2**0.75, beta2=0.95)
+POINTS["nanochat_adamw"] = dict(
+    POINTS["baseline"], lr=8e-3 * 2**0.75, beta2=0.95, head_lr_factor=2**-3
+)
 
 
 def finished_tuning(folder: Path, corpus: str, points: dict, complete=True) -> Path:

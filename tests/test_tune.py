@@ -237,11 +237,29 @@ def test_the_baselines_freedoms_are_axes_of_both_adamw_arms():
     assert load_config(str(REPO / arm.config), arm.overrides(point, 500)).optim.embed_lr == 0
 
 
+def test_the_untied_heads_lr_is_a_factor_of_the_embeddings():
+    """head_lr_factor: optim.head_lr = factor x the embedding's lr (lr x embed_lr_factor where the
+    arm has one); 1 leaves optim.head_lr at 0, the head then in the embedding's group."""
+    from gptrain.config.load import load_config
+
+    arm = tune.ARMS["nanochat_adamw"]
+    point = {a.name: a.center for a in arm.axes} | {"lr": 2e-3, "embed_lr_factor": 4.0}
+    point["head_lr_factor"] = 0.25
+    cfg = load_config(str(REPO / arm.config), arm.overrides(point, 500)).optim
+    assert cfg.embed_lr == pytest.approx(8e-3, rel=1e-5)
+    assert cfg.head_lr == pytest.approx(2e-3, rel=1e-5)
+    recipe = tune.ARMS["nanochat"]
+    point = {a.name: a.center for a in recipe.axes} | {"lr": 4e-3, "head_lr_factor": 0.5}
+    assert load_config(str(REPO / recipe.config), recipe.overrides(point, 500)).optim.head_lr == pytest.approx(2e-3, rel=1e-5)  # fmt: skip
+    point["head_lr_factor"] = 1.0
+    assert load_config(str(REPO / recipe.config), recipe.overrides(point, 500)).optim.head_lr == 0  # fmt: skip
+
+
 def test_the_nanochat_arms_are_their_gpt2_twins_on_nanochats_block():
     """configs/study_nanochat*.toml equal the recipe's and the baseline's configs but for the
     block (and run.dir): the same data, batch, steps, evaluation and optimizer; their arms search
-    the same axes; and at the study's sizes nanochat's blocks hold 12C^2 per layer, GPT-2's
-    12C^2 + 13C."""
+    the same axes and the untied head's lr; and at the study's sizes nanochat's blocks hold
+    12C^2 per layer, GPT-2's 12C^2 + 13C."""
     import tomllib
 
     from gptrain.model.gpt import GPT, GPTConfig
@@ -253,7 +271,7 @@ def test_the_nanochat_arms_are_their_gpt2_twins_on_nanochats_block():
         for t in (a, b):
             t["run"].pop("dir")
         assert a == b
-        assert tune.ARMS[nano].axes == tune.ARMS[gpt2].axes
+        assert tune.ARMS[nano].axes == (*tune.ARMS[gpt2].axes, tune.HEAD_AXIS)
     for c, h in ((64, 4), (96, 6)):
         n = NanoChat(NanoChatConfig(vocab_size=256, block_size=16, n_layer=4, n_head=h, n_embd=c))
         g = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=h, n_embd=c))

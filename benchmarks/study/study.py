@@ -44,7 +44,8 @@ under the recipe, inverted alike; the fourth nanochat's block under AdamW agains
 and seed: the recipe race's baseline, nanochat's race's recipe, the fourth race's rungs) is
 copied, not trained again (benchmarks/study/study_reuse.py). Each finished race's race.json and
 table.md are kept in --results (benchmarks/study/study_saved.py), which `report` reads where OUT lacks
-a race.
+a race; so is each finished run (tuning trials and race runs, in --results/runs/), which a `run`
+on another machine copies back instead of training it again.
 
 Every stage resumes itself (tuning trials and race runs are run directories); `run` again
 after any stop continues where it was.
@@ -140,6 +141,7 @@ def run_race(args, cell: Cell) -> bool:
         print(f"study: race {cell.name}: {' '.join(cmd)}", file=sys.stderr)
         env = study_tuning.one_thread(args)
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        keep(args, out)
         if done.returncode != 0:
             raise UserError(f"the race {out} failed (its line is above); fix it and run again")
         if not done.stdout.strip():
@@ -151,20 +153,30 @@ def run_race(args, cell: Cell) -> bool:
     return True
 
 
+def keep(args, out: Path) -> None:
+    """Every finished run under `out` kept in --results (study_saved), to continue elsewhere."""
+    if written := study_saved.keep_runs(out, args.results):
+        print(f"study: kept {len(written)} files of finished runs in {args.results}", file=sys.stderr)  # fmt: skip
+
+
 def copy_twins(args, out: Path, ladder: str, arms: tuple[str, str], paths: dict[str, Path]) -> None:
-    """The race's runs that repeat a finished run of the cell's other races, copied
-    (study_reuse): its other arm at 1x, and its rungs."""
+    """The race's runs that repeat a finished run of the cell's other races, or that are kept in
+    --results from another machine, copied (study_reuse): its other arm at 1x, and its rungs."""
     rungs = rung_entries(str(paths[arms[0]]), arms[0], [], multiples(ladder))
     configs = [(label, path, o) for label, path, o in rungs] + [(arms[1], str(paths[arms[1]]), [])]
     for label, path, extra in configs:
         for k in range(1, args.seeds + 1):
             run_dir = out / label / f"seed_{k}"
-            source = study_reuse.twin(run_dir, ladders(args))
-            if source is None:
+            twin = study_reuse.twin(run_dir, ladders(args))
+            sources = [study_saved.kept(args.out, args.results, run_dir)]
+            sources += [twin, study_saved.kept(args.out, args.results, twin)] if twin else []
+            if run_dir.exists() or not any((s / "summary.json").is_file() for s in sources):
                 continue
             expected = to_toml(load_config(path, [*extra, f"train.seed={k}", f"run.dir={run_dir}"]))  # fmt: skip
-            if study_reuse.copy_finished(source, run_dir, expected):
-                print(f"study: {run_dir} is {source} (the same config and seed): copied", file=sys.stderr)  # fmt: skip
+            for source in sources:
+                if study_reuse.copy_finished(source, run_dir, expected):
+                    print(f"study: {run_dir} is {source} (the same config and seed): copied", file=sys.stderr)  # fmt: skip
+                    break
 
 
 def run(args) -> int:
@@ -176,6 +188,7 @@ def run(args) -> int:
             if cell not in study_tuning.own(args):
                 study_tuning.tuned(args, cell)
         print(f"study: the tuning cell's points from {args.tuned}", file=sys.stderr)
+    keep(args, args.out)  # what finished here before a stop, kept before anything else runs
     if "data" in stages:
         prepare_data(args)
     if "tune" in stages:
@@ -197,6 +210,7 @@ def report(args) -> int:
     from --results (study_saved); --save first copies OUT's finished races there."""
     every = cells(args.corpora)
     if args.save:
+        keep(args, args.out)
         for cell in every:
             for folder in RACES:
                 for path in study_saved.save(args.out / "races" / cell.name / folder, args.results, cell.name, folder):  # fmt: skip
@@ -259,8 +273,8 @@ def parse_args(argv: list[str]):
     ap.add_argument("--budget", type=int, default=12, help="tuning trials per arm")
     ap.add_argument("--cap", type=int, default=16, help="extra trials to leave a grid's edge")
     ap.add_argument("--tuned", type=Path, default=None, help="run: the tuning cell's points from this record (benchmarks/study/study_tuned.toml), not tuned again")  # fmt: skip
-    ap.add_argument("--results", type=Path, default=study_saved.RESULTS, help="where finished races are kept (race.json, table.md)")  # fmt: skip
-    ap.add_argument("--save", action="store_true", help="report: first keep OUT's finished races in --results")  # fmt: skip
+    ap.add_argument("--results", type=Path, default=study_saved.RESULTS, help="where finished races (race.json, table.md) and runs (runs/) are kept")  # fmt: skip
+    ap.add_argument("--save", action="store_true", help="report: first keep OUT's finished races and runs in --results")  # fmt: skip
     ap.add_argument("--seconds", type=int, default=15, help="measure: seconds of each run")
     ap.add_argument("--data-dir", default=None, help="measure: a prepared folder to train on")
     args = ap.parse_args(argv)

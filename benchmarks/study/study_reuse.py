@@ -23,6 +23,7 @@ from pathlib import Path
 from study_cells import RACES
 
 from gptrain.cache import atomic_write_bytes
+from gptrain.config.load import resolved_again
 
 
 def twin(run_dir: Path, ladders: dict[str, list[float]]) -> Path | None:
@@ -48,10 +49,14 @@ def twin(run_dir: Path, ladders: dict[str, list[float]]) -> Path | None:
     return None
 
 
-def _same_but_folder(a: str, b: str) -> bool:
-    """Whether two resolved configs (to_toml's text) are equal but for run.dir."""
+def _same_but_folder(saved: str, expected: str) -> bool:
+    """Whether a run's saved config (to_toml's text, perhaps of an older gptrain: keys added
+    since take their defaults) equals the expected one but for run.dir."""
+    again = resolved_again(saved)
+    if again is None:
+        return False
     try:
-        x, y = tomllib.loads(a), tomllib.loads(b)
+        x, y = tomllib.loads(again), tomllib.loads(expected)
     except tomllib.TOMLDecodeError:
         return False
     for config in (x, y):

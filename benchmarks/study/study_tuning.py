@@ -6,7 +6,8 @@ corpus's tuning split) and its best point is carried to every cell. `--tune-cell
 (a kind, large-1x, on every corpus, or one cell, code-large-1x) tuned at their own size and
 steps, by the same procedure and trial count, on the same tuning split: each such cell's races
 use its own best points, in OUT/tuning/<cell>/tune.json. The tuning cell is tuned too while a
-raced cell carries its points (unless --tuned gives them).
+raced cell carries its points (unless --tuned gives them). Each finished trial is kept in
+--results (benchmarks/study/study_saved.py) and copied back from there on another machine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import study_saved
 import study_tuned
 from study_cells import REPO, Cell, cells, tune_cell, tuning_dir
 
@@ -56,7 +58,12 @@ def run_tuning(args, cell: Cell) -> None:
     out = tuning_dir(args.out, cell)
     cmd = [sys.executable, str(REPO / "benchmarks/study/tune.py"), "--out", str(out)]
     cmd += ["--budget", str(args.budget), "--cap", str(args.cap), "--jobs", str(args.jobs)]
-    cmd += ["--arms", ",".join(args.arms)]
+    cmd += [
+        "--arms",
+        ",".join(args.arms),
+        "--kept",
+        str(study_saved.kept(args.out, args.results, out)),
+    ]
     cmd += [f"--{o}" for o in cell.overrides(args.data / f"{cell.corpus}-tune")]
     print(f"study: tuning {cell.name}: {' '.join(cmd)}", file=sys.stderr)
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=one_thread(args))
@@ -70,7 +77,7 @@ def run_tuning(args, cell: Cell) -> None:
 def passed_on(args) -> list[str]:
     """The flags a `run --stages tune` child process needs to tune what this one would."""
     flags = ["--out", str(args.out), "--data", str(args.data), "--budget", str(args.budget)]
-    flags += ["--cap", str(args.cap), "--arms", ",".join(args.arms)]
+    flags += ["--cap", str(args.cap), "--arms", ",".join(args.arms), "--results", str(args.results)]
     flags += ["--cells", ",".join(args.cells), "--tune-cells", ",".join(args.tune_cells)]
     return flags + (["--tuned", str(args.tuned)] if args.tuned is not None else [])
 

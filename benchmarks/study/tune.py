@@ -3,7 +3,7 @@ trials of one seed on the tuning split, by the same search rule.
 
     python benchmarks/study/tune.py --data.dir=data/study/prose-tune --out tuning/prose [--budget 16]
         [--arms baseline,recipe,ablation,nanochat,nanochat_adamw] [--cap 16] [--jobs 1]
-        [--section.key=value ...]
+        [--kept DIR] [--section.key=value ...]
 
 The arms and what each searches (its config's values are the search's starting point):
 
@@ -17,8 +17,10 @@ The arms and what each searches (its config's values are the search's starting p
                     decay): lr x decay share x warmup share (starting at the recipe's 2 steps of
                     the tuning cell's 976, WARMUP_START)
     nanochat        configs/study_nanochat.toml (the recipe on nanochat's block): as the recipe
+                    x head_lr_factor (the untied head's lr, optim.head_lr, as a factor of the
+                    embedding's by powers of 2: nanochat gives the two lrs 75x apart)
     nanochat_adamw  configs/study_nanochat_adamw.toml (nanochat's block with the baseline's
-                    AdamW): as the baseline, every freedom included
+                    AdamW): as the baseline, every freedom included, x head_lr_factor
 
 Every axis starts at its arm's config (a factor of 1 leaves optim.embed_lr at 0, which is lr),
 except the ablation's warmup share, which starts at its 2 steps at the tuning cell's length.
@@ -44,7 +46,10 @@ tries the same points as one arm at a time.
 Each trial is an ordinary run directory, OUT/<arm>/<point> (`gptrain train --config ARM
 [overrides] --train.seed=1 --run.dir=...`): it resumes itself, and a finished one is read from
 its summary.json. The search is a function of the results, so running the same command again
-replays it and trains only what is missing. OUT/tune.json holds every trial and each arm's best;
+replays it and trains only what is missing. With `--kept DIR` each finished trial is also kept in
+DIR/<arm>/<point> (benchmarks/study/study_saved.py), and a trial missing from OUT but kept there
+with the config it would train is copied back instead of trained: a tuning continues on another
+machine from what the repository holds. OUT/tune.json holds every trial and each arm's best;
 the table goes to stdout.
 """
 
@@ -59,10 +64,12 @@ from pathlib import Path
 
 from gptrain.cache import atomic_write_bytes
 from gptrain.config.cli import parse_cli
-from gptrain.config.load import load_config
+from gptrain.config.load import load_config, to_toml
 from gptrain.errors import UserError, first_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import study_reuse  # noqa: E402
+import study_saved  # noqa: E402
 from search import Axis, Search, tune  # noqa: E402, F401  (tune: the search over every arm)
 from study_cells import batch_tokens, tune_cell  # noqa: E402
 
@@ -89,6 +96,9 @@ class Arm:
                 out.append(f"optim.min_lr={value * point['lr']:.6g}")
             elif name == "embed_lr_factor":  # 1: optim.embed_lr 0, which is lr itself
                 out.append(f"optim.embed_lr={0 if value == 1 else value * point['lr']:.6g}")
+            elif name == "head_lr_factor":  # 1: optim.head_lr 0, the embedding's lr itself
+                embed = point["lr"] * point.get("embed_lr_factor", 1.0)
+                out.append(f"optim.head_lr={0 if value == 1 else value * embed:.6g}")
             elif name == "beta2":  # every digit: 1 - beta2 is the half-life
                 out.append(f"optim.beta2={value!r}")
             else:
@@ -109,6 +119,7 @@ MUON_AXES = (
     Axis("lr", 8e-3, 2.0),
     Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0),
 )
+HEAD_AXIS = Axis("head_lr_factor", 1.0, 2.0)  # nanochat's untied head: its own lr
 ARMS = {
     "baseline": Arm("configs/study_baseline.toml", ADAMW_AXES),
     "recipe": Arm("configs/study_recipe.toml", MUON_AXES),
@@ -120,8 +131,8 @@ ARMS = {
             Axis("warmup_share", WARMUP_START, 0.05, "lin", 0.0, 0.5),
         ),
     ),
-    "nanochat": Arm("configs/study_nanochat.toml", MUON_AXES),
-    "nanochat_adamw": Arm("configs/study_nanochat_adamw.toml", ADAMW_AXES),
+    "nanochat": Arm("configs/study_nanochat.toml", (*MUON_AXES, HEAD_AXIS)),
+    "nanochat_adamw": Arm("configs/study_nanochat_adamw.toml", (*ADAMW_AXES, HEAD_AXIS)),
 }
 
 
@@ -145,9 +156,23 @@ def read_loss(run_dir: Path) -> float | None:
     return float(json.loads(path.read_text()).get("val_loss", math.nan))
 
 
-def train_trial(arm: Arm, run_dir: Path, overrides: list[str]) -> float:
-    """One trial as `gptrain train` in a subprocess (its output to stderr); a finished run is read."""
+def restore(arm: Arm, run_dir: Path, overrides: list[str], kept: Path) -> None:
+    """The kept trial `kept` copied to `run_dir` when it finished with the config this trial
+    would train (and run_dir does not exist)."""
+    o = [*overrides, f"train.seed={SEED}", f"run.dir={run_dir}"]
+    expected = to_toml(load_config(str(REPO / arm.config), o))
+    if study_reuse.copy_finished(kept, run_dir, expected):
+        print(f"tune: {run_dir} copied from {kept}", file=sys.stderr)
+
+
+def train_trial(arm: Arm, run_dir: Path, overrides: list[str], kept: Path | None = None) -> float:
+    """One trial as `gptrain train` in a subprocess (its output to stderr); a finished run is
+    read, one kept in `kept` copied back first; a trial that finishes is kept there."""
+    if kept is not None and not run_dir.exists():
+        restore(arm, run_dir, overrides, kept)
     if (loss := read_loss(run_dir)) is not None:
+        if kept is not None:
+            study_saved.keep_run(run_dir, kept)
         return loss
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", str(REPO / arm.config)]
     cmd += [f"--{o}" for o in overrides] + [f"--train.seed={SEED}", f"--run.dir={run_dir}"]
@@ -160,12 +185,15 @@ def train_trial(arm: Arm, run_dir: Path, overrides: list[str]) -> float:
     loss = read_loss(run_dir)
     if loss is None and code == 0:
         raise Stopped(f"{run_dir} was stopped by a signal; run the same command to continue")
+    if loss is not None and kept is not None:
+        study_saved.keep_run(run_dir, kept)
     return math.inf if loss is None else loss
 
 
 def parse_args(argv: list[str]) -> dict:
     """tune.py's own flags; the rest are `--section.key=value` overrides of every trial."""
     own = {"out": None, "budget": "16", "cap": "16", "arms": ",".join(ARMS), "jobs": "1"}
+    own["kept"] = ""
     rest, i = [], 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
@@ -193,8 +221,10 @@ def parse_args(argv: list[str]) -> dict:
         raise UserError("--budget, --cap and --jobs are whole numbers, e.g. --budget 16") from None
     if jobs < 1:
         raise UserError(f"--jobs {jobs}: run at least 1 trial at a time")
+    kept = Path(own["kept"]) if own["kept"] else None
     return {"out": Path(own["out"]), "budget": budget, "cap": cap, "arms": arms, "jobs": jobs} | {
-        "o": overrides
+        "o": overrides,
+        "kept": kept,
     }
 
 
@@ -268,7 +298,8 @@ def main(argv: list[str]) -> int:
     def trial(name: str, point: tuple[float, ...]) -> float:
         arm = ARMS[name]
         overrides = args["o"] + arm.overrides(point_dict(arm, point), steps[name])
-        return train_trial(arm, out / name / label(arm, point), overrides)
+        kept = args["kept"] / name / label(arm, point) if args["kept"] else None
+        return train_trial(arm, out / name / label(arm, point), overrides, kept)
 
     def save() -> None:
         report = results(args, searches, steps)
