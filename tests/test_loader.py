@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptrain.data.loader import Dataset, TrainLoader, val_batches
+from gptrain.data.loader import val_windows, Dataset, TrainLoader, val_batches
 from gptrain.data.shards import write_manifest, write_shard
 from gptrain.errors import UserError
 
@@ -206,8 +206,22 @@ def test_the_val_sample_covers_every_source_in_proportion_on_any_world_size(tmp_
         assert abs(share - n / sum(sizes)) <= seq_len / len(seen) + 1e-12, (k, share)
     targets = val_targets(ds, seq_len, 100 * seq_len)
     assert sorted(targets.tolist()) == sorted(t for _, y in worlds[1] for t in y)
-    whole = val_targets(ds, seq_len, 10**6)  # more than the split holds: all of it
+    whole = val_targets(ds, seq_len, 0)  # 0: all of it
     assert len(whole) == (sum(sizes) - 1) // seq_len * seq_len
+
+
+def test_the_val_sample_is_a_number_the_split_holds_all_of_it_or_auto(ds):
+    """700 val tokens hold 699 // 32 = 21 windows of 32: eval.tokens 672 (21 windows) is taken,
+    one window more is refused naming 0 and the largest number; 0 is all 21; auto is 65,536
+    tokens' worth or all of a smaller split."""
+    from gptrain.data.loader import val_window_count
+
+    assert val_window_count(ds, 32, 21 * 32) == 21 and val_window_count(ds, 32, 100) == 3
+    with pytest.raises(UserError, match=r"eval.tokens = 704 is more than .* set eval.tokens=0 .* at most 672$"):  # fmt: skip
+        val_window_count(ds, 32, 22 * 32)
+    assert val_window_count(ds, 32, 0) == 21 == val_window_count(ds, 32, "auto")
+    assert val_window_count(ds, 1, "auto") == 699  # fewer than 65,536 windows of 1: all
+    assert len(val_windows(ds, 32, 0)) == 21
 
 
 def test_val_split_too_short(tmp_path):

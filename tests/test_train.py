@@ -131,6 +131,20 @@ def test_bad_input_one_line_exit_2(byte_data, tmp_path, capsys, override, needle
     assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0]
 
 
+def test_a_val_sample_larger_than_the_split_is_refused_before_anything_is_written(
+    byte_data, tmp_path, capsys
+):
+    """tiny shakespeare's byte val split holds ~111k tokens: 200,000 is refused in one line with
+    the fix, before a checkpoint, a log or a config is written; 0 scores all of it."""
+    run_dir = tmp_path / "r"
+    args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
+    assert cli([*args, "--eval.tokens=200000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eval.tokens = 200,000 is more than the val split" in err[0]
+    assert "eval.tokens=0" in err[0]
+    assert not run_dir.exists() or os.listdir(run_dir) in ([], [".lock"])
+
+
 def test_bench_reports_tokens_and_mfu(capsys, tmp_path):
     args = ["bench", "--config", DEBUG, "--steps", "2", "--warmup", "1"]
     assert cli([*args, "--json", str(tmp_path / "rows.json")]) == 0

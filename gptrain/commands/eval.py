@@ -102,6 +102,17 @@ def format_table(name: str, step, results: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def val_tokens(text: str) -> int | str:
+    """--val-tokens: auto, or a whole number >= 0 (0: the whole split)."""
+    if text == "auto":
+        return text
+    if text.isdigit():
+        return int(text)
+    raise UserError(
+        f"--val-tokens {text!r}: give a number of tokens, 0 for the whole split, or auto"
+    )
+
+
 def arg_parser() -> ArgParser:
     """`gptrain eval`'s options."""
     p = ArgParser(prog="gptrain eval", description=__doc__.splitlines()[0])
@@ -111,7 +122,12 @@ def arg_parser() -> ArgParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step of --run")
     p.add_argument("--tasks", default="val,hellaswag", help="comma-separated: val, hellaswag")
     p.add_argument("--data", default="", help="prepared data folder for val (default: the run's)")
-    p.add_argument("--val-tokens", type=int, default=65536, help="validation token budget")
+    p.add_argument(
+        "--val-tokens",
+        type=val_tokens,
+        default="auto",
+        help="validation tokens, spread over the split: a number, 0 for all, auto (65,536 or all)",
+    )
     p.add_argument(
         "--hellaswag",
         default="hellaswag",
@@ -132,9 +148,8 @@ def checked_tasks(a) -> list[str]:
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise UserError(f"--tasks {a.tasks!r}; choose from: {', '.join(TASKS)}")
-    for key in ("val_tokens", "batch_tokens"):
-        if getattr(a, key) < 1:
-            raise UserError(f"--{key.replace('_', '-')} must be >= 1")
+    if a.batch_tokens < 1:
+        raise UserError("--batch-tokens must be >= 1")
     if a.hellaswag_limit < 0:
         raise UserError("--hellaswag-limit must be >= 0 (0 = all examples)")
     if a.step is not None and not a.run:

@@ -1,7 +1,7 @@
 """`gptrain race`: configs x seeds, each run an ordinary run directory, compared with statistics.
 
     gptrain race --config configs/default.toml --config configs/race.toml --seeds 5 \\
-        --data.dir=data/tinyshakespeare --eval.tokens=100000 --out races/shakespeare
+        --data.dir=data/tinyshakespeare --eval.tokens=0 --out races/shakespeare
     gptrain race --config configs/small_llmc.toml --config configs/small.toml \\
         --ladder 1,1.5,2,3 --seeds 3
 

@@ -72,9 +72,10 @@ class Config:
             b == 0 or b >= t.seq_len,
             f"model.block_size = {b} is shorter than train.seq_len = {t.seq_len}; use 0 to follow seq_len",
         )
+        n = self.eval.tokens
         check(
-            self.eval.tokens >= t.seq_len,
-            f"eval.tokens = {self.eval.tokens} is less than one window of train.seq_len = {t.seq_len}",
+            n in ("auto", 0) or n >= t.seq_len,
+            f"eval.tokens = {n} is less than one window of train.seq_len = {t.seq_len}; use at least {t.seq_len}, or 0 for the whole val split",
         )
 
 

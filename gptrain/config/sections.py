@@ -208,7 +208,10 @@ class OptimConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     every: int = opt(50, "validate every N optimizer steps (and at the end); 0 only at the end")
-    tokens: int = opt(65536, "validation token budget (the same tokens every time)")
+    tokens: int | str = opt(
+        "auto",
+        "validation tokens scored each time, spread evenly over the val split (the same every time): a number (at most the split), 0 for all of it, or auto: 65,536, or all of a smaller split",
+    )
     sample_every: int = opt(100, "print a sample every N steps (and at the end); 0 only at the end")
     sample_tokens: int = opt(200, "tokens per text sample")
     sample_prompt: str = opt("", "prompt for text samples; empty starts from end-of-text")
@@ -222,6 +225,11 @@ class EvalConfig:
     def check(self) -> None:
         for key in ("every", "sample_every", "hellaswag_every", "hellaswag_limit"):
             check(getattr(self, key) >= 0, f"eval.{key} must be >= 0")
+        n = self.tokens
+        check(
+            n == "auto" or (isinstance(n, int) and n >= 0),
+            f"eval.tokens = {n!r}: give a number of tokens, 0 for the whole val split, or auto",
+        )
 
 
 @dataclass(frozen=True)

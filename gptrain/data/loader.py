@@ -17,9 +17,10 @@ at any step on any world size from `state_dict()`. The next batch is prepared in
 thread (pinned memory and a non_blocking copy when the device is CUDA).
 
 Validation (`val_batches`) reads eval_tokens // seq_len non-overlapping windows spread evenly
-over the whole val split (`val_windows`; all of them where eval_tokens covers the split, which is
-then clamped to it): a split written source by source is scored on every source in proportion to
-its tokens, the same tokens on every run and world size.
+over the whole val split (`val_windows`; eval.tokens = 0: all of them; auto: 65,536 tokens' worth,
+or all of a smaller split; a number larger than the split is refused): a split written source by
+source is scored on every source in proportion to its tokens, the same tokens on every run and
+world size.
 """
 
 from __future__ import annotations
@@ -236,21 +237,41 @@ class TrainLoader:
         self._ahead = None
 
 
-def val_windows(dataset: Dataset, seq_len: int, eval_tokens: int) -> np.ndarray:
-    """The val windows an evaluation scores, (n, seq_len + 1) token ids: of the split's
-    `available` = (tokens - 1) // seq_len non-overlapping window slots, n = eval_tokens // seq_len
-    (at least 1, at most `available`) evenly spaced ones, slot floor(i * available / n) for
-    i < n. The split is read as one stream (a window may span two shards); only these windows
-    are read."""
-    shards = dataset.shards["val"]
-    lengths = [len(s) for s in shards]
-    total = sum(lengths)
+AUTO_VAL_TOKENS = 65536  # eval.tokens = auto: this many, or the whole split where it holds fewer
+
+
+def val_window_count(dataset: Dataset, seq_len: int, eval_tokens: int | str) -> int:
+    """How many windows of seq_len an evaluation of `eval_tokens` scores (eval.tokens): of the
+    split's `available` = (tokens - 1) // seq_len non-overlapping slots, eval_tokens // seq_len
+    (at least 1); 0 is every slot; auto is AUTO_VAL_TOKENS' windows or every slot, the fewer. A
+    number asking for more windows than the split holds is a UserError."""
+    total = sum(len(s) for s in dataset.shards["val"])
     available = (total - 1) // seq_len if total > seq_len else 0
     if available == 0:
         raise UserError(
             f"the val split of {dataset.data_dir} has {total} tokens, fewer than one window of seq_len {seq_len} + 1; prepare more validation data (--val-fraction / --val-tokens) or use a shorter seq_len"
         )
-    n = min(max(eval_tokens // seq_len, 1), available)
+    if eval_tokens == 0:
+        return available
+    if eval_tokens == "auto":
+        return min(max(AUTO_VAL_TOKENS // seq_len, 1), available)
+    n = max(eval_tokens // seq_len, 1)
+    if n > available:
+        raise UserError(
+            f"eval.tokens = {eval_tokens:,} is more than the val split of {dataset.data_dir} holds ({available * seq_len:,} tokens in whole windows of seq_len {seq_len}); set eval.tokens=0 to score all of it, or at most {available * seq_len}"
+        )
+    return n
+
+
+def val_windows(dataset: Dataset, seq_len: int, eval_tokens: int | str) -> np.ndarray:
+    """The val windows an evaluation scores, (n, seq_len + 1) token ids: of the split's
+    `available` = (tokens - 1) // seq_len non-overlapping window slots, n = val_window_count()
+    evenly spaced ones, slot floor(i * available / n) for i < n. The split is read as one stream
+    (a window may span two shards); only these windows are read."""
+    shards = dataset.shards["val"]
+    lengths = [len(s) for s in shards]
+    available = (sum(lengths) - 1) // seq_len
+    n = val_window_count(dataset, seq_len, eval_tokens)
     firsts = np.cumsum([0, *lengths[:-1]])  # each shard's first position in the stream
     out = np.empty((n, seq_len + 1), dtype=np.int64)
     for row, slot in enumerate(np.arange(n, dtype=np.int64) * available // n):

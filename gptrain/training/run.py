@@ -27,7 +27,7 @@ from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.fields import duration_s
 from gptrain.config.load import Config, to_toml
 from gptrain.config.sections import OptimConfig
-from gptrain.data.loader import Dataset, TrainLoader
+from gptrain.data.loader import Dataset, TrainLoader, val_window_count
 from gptrain.data.prepare import resolve_data_dir
 from gptrain.distributed import parallelize
 from gptrain.distributed import runtime as dist
@@ -135,6 +135,7 @@ def start(cfg: Config, info: dist.DistInfo) -> Run:
         info, lambda: resolve_data_dir(cfg.data.dir, cfg.data.tokenizer)
     )
     dataset = Dataset(data_dir)
+    val_window_count(dataset, cfg.train.seq_len, cfg.eval.tokens)  # a sample the split holds
     # resume: the newest checkpoint of this run's timeline, or checkpoint.resume's step
     plan = dist.from_main(
         info, lambda: checkpoint.plan_resume(cfg.run.dir, c.resume, _timeline_text(cfg, dataset))
