@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptrain.data.loader import val_windows, Dataset, TrainLoader, val_batches
+from gptrain.data.loader import Dataset, TrainLoader, val_batches, val_windows
 from gptrain.data.shards import write_manifest, write_shard
 from gptrain.errors import UserError
 
