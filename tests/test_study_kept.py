@@ -29,7 +29,7 @@ def test_a_kept_race_run_copied_to_a_new_machine_is_finished_with_the_same_recor
     (old / "races" / ".x.copying" / "seed_1").mkdir(parents=True)  # a copy cut short: no run
     (old / "races" / ".x.copying" / "seed_1" / "summary.json").write_text("{}")
     written = study_saved.keep_runs(old, results)
-    kept = results / "runs" / rel
+    kept = results / "finished_runs" / rel
     assert sorted(written) == sorted(kept / n for n in study_saved.RUN_FILES)
     assert study_saved.keep_runs(old, results) == []  # equal files are not written again
     assert study_saved.kept(old, results, old / rel) == kept
@@ -66,7 +66,7 @@ def test_a_kept_tuning_trial_is_read_back_on_a_new_machine_not_trained(
     tiny_arm = tune.ARMS["baseline"]  # at 4 steps of short windows: a trial takes seconds
     o = [f"data.dir={byte_data}", *FAST, "train.total_batch_size=1024", "train.seq_len=64"]
     o += tiny_arm.overrides({a.name: a.center for a in tiny_arm.axes}, 4)
-    kept = tmp_path / "results" / "runs" / "tuning" / "code" / "baseline" / "point"
+    kept = tmp_path / "results" / "finished_runs" / "tuning" / "code" / "baseline" / "point"
     first = tune.train_trial(tiny_arm, tmp_path / "old" / "point", o, kept)
     assert first == json.loads((kept / "summary.json").read_text())["val_loss"]
 
@@ -78,3 +78,13 @@ def test_a_kept_tuning_trial_is_read_back_on_a_new_machine_not_trained(
     other = [*o, "optim.weight_decay=0.0"]  # another point's config: not read from this one
     with pytest.raises(AssertionError, match="trained again"):
         tune.train_trial(tiny_arm, tmp_path / "new" / "other", other, kept)
+
+
+def test_kept_runs_are_files_git_keeps():
+    """A kept run lives in the repository: no .gitignore pattern (such as `runs/`) hides it."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    path = study_saved.RESULTS / "finished_runs" / "races" / "c" / "r" / "a@1" / "seed_1"
+    for name in study_saved.RUN_FILES:
+        done = subprocess.run(["git", "check-ignore", "-q", str(path / name)], cwd=REPO)
+        assert done.returncode == 1, f"{path / name} is ignored by git"

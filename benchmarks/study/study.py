@@ -44,7 +44,7 @@ under the recipe, inverted alike; the fourth nanochat's block under AdamW agains
 and seed: the recipe race's baseline, nanochat's race's recipe, the fourth race's rungs) is
 copied, not trained again (benchmarks/study/study_reuse.py). Each finished race's race.json and
 table.md are kept in --results (benchmarks/study/study_saved.py), which `report` reads where OUT lacks
-a race; so is each finished run (tuning trials and race runs, in --results/runs/), which a `run`
+a race; so is each finished run (tuning trials and race runs, in --results/finished_runs/), which a `run`
 on another machine copies back instead of training it again.
 
 Every stage resumes itself (tuning trials and race runs are run directories); `run` again
@@ -273,7 +273,7 @@ def parse_args(argv: list[str]):
     ap.add_argument("--budget", type=int, default=12, help="tuning trials per arm")
     ap.add_argument("--cap", type=int, default=16, help="extra trials to leave a grid's edge")
     ap.add_argument("--tuned", type=Path, default=None, help="run: the tuning cell's points from this record (benchmarks/study/study_tuned.toml), not tuned again")  # fmt: skip
-    ap.add_argument("--results", type=Path, default=study_saved.RESULTS, help="where finished races (race.json, table.md) and runs (runs/) are kept")  # fmt: skip
+    ap.add_argument("--results", type=Path, default=study_saved.RESULTS, help="where finished races (race.json, table.md) and runs (finished_runs/) are kept")  # fmt: skip
     ap.add_argument("--save", action="store_true", help="report: first keep OUT's finished races and runs in --results")  # fmt: skip
     ap.add_argument("--seconds", type=int, default=15, help="measure: seconds of each run")
     ap.add_argument("--data-dir", default=None, help="measure: a prepared folder to train on")

@@ -4,7 +4,7 @@ benchmarks/study/study_results/<cell>/<race>/ (`study.py run` at the end of each
 report --save` for every race in OUT), and `study.py report` reads a race from there when OUT
 lacks it. A study takes more hours than one machine may live, so each finished run (a tuning
 trial, a race's run) is kept too, as the files that say it finished and what it measured
-(config.toml, summary.json, metrics.jsonl) in study_results/runs/<its path under OUT>; on
+(config.toml, summary.json, metrics.jsonl) in study_results/finished_runs/<its path under OUT>; on
 another machine the study copies a kept run back into OUT instead of training it again, when its
 config is the one the run would train (benchmarks/study/study_reuse.py copy_finished).
 
@@ -43,7 +43,7 @@ def _copy(source: Path, dest: Path) -> bool:
 
 def kept(out: Path, results: Path, run_dir: Path) -> Path:
     """Where the run `run_dir` (a folder under OUT) is kept: results/runs/<its path under OUT>."""
-    return results / "runs" / run_dir.relative_to(out)
+    return results / "finished_runs" / run_dir.relative_to(out)
 
 
 def keep_run(run_dir: Path, dest: Path) -> list[Path]:
