@@ -25,6 +25,7 @@ from pathlib import Path
 from gptrain.cache import atomic_write_bytes
 from gptrain.config.cli import parse_cli
 from gptrain.config.load import Config, load_config, resolved_again, to_toml
+from gptrain.config.sections import DataConfig
 from gptrain.errors import UserError
 
 PLAN = "plan.json"  # the race's configs as resolved, checked when the race continues
@@ -183,10 +184,10 @@ def run_labels(paths: list[str]) -> list[str]:
     return labels
 
 
-def data_identity(cfg: Config) -> tuple:
+def data_identity(data: DataConfig) -> tuple:
     """What makes two configs' val losses comparable: a prepared folder's tokenizer and splits
     (from its manifest), or a built-in corpus's name and tokenizer."""
-    folder = Path(cfg.data.dir) / "manifest.json"
+    folder = Path(data.dir) / "manifest.json"
     if folder.is_file():
         m = json.loads(folder.read_text())
         return (
@@ -195,14 +196,14 @@ def data_identity(cfg: Config) -> tuple:
             json.dumps(m.get("spans"), sort_keys=True),
             json.dumps(m.get("splits"), sort_keys=True),
         )
-    return ("built-in", cfg.data.dir, cfg.data.tokenizer)
+    return ("built-in", data.dir, data.tokenizer)
 
 
 def check_comparable(paths: list[str], cfgs: list[Config]) -> None:
     """Every config measures the same val loss: same data and tokenizer, same eval.tokens."""
     base = cfgs[0]
     for path, cfg in zip(paths[1:], cfgs[1:], strict=True):
-        if data_identity(cfg) != data_identity(base):
+        if data_identity(cfg.data) != data_identity(base.data):
             raise UserError(
                 f"--config {path} trains on data.dir = {cfg.data.dir!r} (data.tokenizer = {cfg.data.tokenizer!r}) but the baseline {paths[0]} on {base.data.dir!r} ({base.data.tokenizer!r}): their losses cannot be compared; race configs on the same data and tokenizer (or set both for every run with --data.dir=... --data.tokenizer=...)"
             )

@@ -35,6 +35,7 @@ from gptrain.checkpoint import manager as checkpoint
 from gptrain.config.cli import parse_cli
 from gptrain.config.fields import duration_s
 from gptrain.config.load import Config, load_config
+from gptrain.config.sections import TrainConfig
 from gptrain.distributed import failures, faults, launch
 from gptrain.distributed import runtime as dist
 from gptrain.distributed.watchdog import Watchdog, flight_recorder_env
@@ -302,7 +303,9 @@ def check_node_counts(cfg: Config, nproc: int, low: int, high: int) -> None:
             bad.append((n, e))
     if bad:
         fits = [
-            n for n in range(1, 4 * high + 1) if n not in dict(bad) and _divides(cfg, nproc * n)
+            n
+            for n in range(1, 4 * high + 1)
+            if n not in dict(bad) and _divides(cfg.train, nproc * n)
         ]
         near = sorted(fits, key=lambda n: (min(abs(n - low), abs(n - high)), n))[:4]
         raise UserError(
@@ -312,9 +315,10 @@ def check_node_counts(cfg: Config, nproc: int, low: int, high: int) -> None:
         )
 
 
-def _divides(cfg: Config, world: int) -> bool:
+def _divides(train: TrainConfig, world: int) -> bool:
+    """Whether `world` processes can share train.total_batch_size (batch.plan accepts it)."""
     try:
-        batch.plan(cfg.train, world)
+        batch.plan(train, world)
         return True
     except UserError:
         return False
