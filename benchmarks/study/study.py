@@ -8,7 +8,8 @@ block, tuned alike, raced on two corpora at two sizes and two horizons.
     python benchmarks/study/study.py report    # each race's table, the cells', the block's
 
 Options: --out DIR (default studies/main), --data DIR (default data/study), --corpora prose,code,
---stages data,tune,race, --arms (default all five: baseline, recipe, ablation, nanochat,
+--stages data,tune,race (and check: each --tune-cells cell trains its corpus's tuning-cell points
+as one more trial each, benchmarks/study/study_carried.py), --arms (default all five: baseline, recipe, ablation, nanochat,
 nanochat_adamw), --tuned FILE (the tuning cell's points from a record such as
 benchmarks/study/study_tuned.toml instead of tuning it), --cells small-1x,large-1x,small-4x (a kind on
 every corpus, or one cell: code-small-4x), --tune-cells (cells tuned at their own size and steps:
@@ -62,6 +63,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study_block  # noqa: E402
+import study_carried  # noqa: E402
 import study_report  # noqa: E402
 import study_reuse  # noqa: E402
 import study_saved  # noqa: E402
@@ -88,6 +90,7 @@ from gptrain.config.load import load_config, to_toml  # noqa: E402
 from gptrain.errors import UserError, first_line  # noqa: E402
 
 DATA = Path("data/study")
+STAGES = ("data", "tune", "check", "race")
 
 
 def prepare_data(args) -> None:
@@ -193,6 +196,9 @@ def run(args) -> int:
         prepare_data(args)
     if "tune" in stages:
         study_tuning.tune_stage(args, __file__)
+    if "check" in stages:  # the tuning cell's points trained at each cell tuned at its own size
+        for cell in study_tuning.own(args):
+            study_carried.trials(args, cell)
     if "race" in stages:
         if not race_has_ladder():
             raise UserError(
@@ -232,6 +238,7 @@ def report(args) -> int:
             rows.append(study_report.not_run(cell.name))
             continue
         rows.append(study_report.row(cell.name, races["baseline-ladder"], races["recipe-ladder"], train_tokens(args, cell)))  # fmt: skip
+    carried_over(args)
     print(f"\n## The cells\n\n{study_report.table(rows)}")
     _, why = study_report.config_steps([rows[i] for i in final])
     print(f"\nconfigs/gpt2_124m.toml (the largest size and the longest horizon): {why}")
@@ -240,6 +247,17 @@ def report(args) -> int:
     print(f"\nconfigs/nanochat_124m.toml (the largest size and the longest horizon): {why}")
     print(f"\nthe numbers behind each table: {args.out}/races/<cell>/<race>/race.json, else {args.results}/<cell>/<race>/race.json", file=sys.stderr)  # fmt: skip
     return 0
+
+
+def carried_over(args) -> None:
+    """For each cell tuned at its own size whose carried-point trials ran (--stages check): the
+    tuning cell's points against the cell's own best (study_carried)."""
+    for cell in study_tuning.own(args):
+        try:
+            rows = study_carried.rows(args, cell)
+        except (UserError, OSError):
+            continue  # a tuning not finished, or not in OUT
+        print(f"\n## Do the tuning cell's points carry to {cell.name}?\n\n{study_carried.table(rows)}")  # fmt: skip
 
 
 def train_tokens(args, cell: Cell) -> int | float:
@@ -257,7 +275,7 @@ def parse_args(argv: list[str]):
     ap.add_argument("--out", type=Path, default=Path("studies/main"), help="the study's folder")
     ap.add_argument("--data", type=Path, default=DATA, help="study_data.py's --out")
     ap.add_argument("--corpora", default="prose,code", help="comma-separated: prose, code")
-    ap.add_argument("--stages", default="data,tune,race", help="run: comma-separated stages")
+    ap.add_argument("--stages", default="data,tune,race", help="run: comma-separated, of data, tune, check, race")  # fmt: skip
     ap.add_argument(
         "--jobs",
         type=int,
@@ -286,6 +304,8 @@ def parse_args(argv: list[str]):
     for flag, names in (("--cells", args.cells), ("--tune-cells", args.tune_cells)):
         if bad := known(names, args.corpora):
             raise UserError(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(ORDER)}, or one of them on a corpus of --corpora (code-large-1x)")  # fmt: skip
+    if bad := [s for s in args.stages.split(",") if s not in STAGES]:
+        raise UserError(f"--stages: unknown {', '.join(bad)}; choose from {', '.join(STAGES)}")
     args.arms = tuple(args.arms.split(","))
     if bad := [a for a in args.arms if a not in ARMS]:
         raise UserError(f"--arms: unknown {', '.join(bad)}; choose from {', '.join(ARMS)}")

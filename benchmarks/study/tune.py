@@ -284,12 +284,24 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def arm_steps(name: str, o: list[str]) -> int:
+    """The arm's train.max_steps under the tuning's overrides `o` (its warmup is set per trial
+    from the share: 0 here, so that any fits)."""
+    return load_config(str(REPO / ARMS[name].config), [*o, "optim.warmup_steps=0"]).train.max_steps
+
+
+def trial_of(name: str, point: dict[str, float], o: list[str], out: Path) -> tuple[Path, list[str]]:
+    """The trial of arm `name` at `point` under the tuning's overrides `o`: its run directory in
+    OUT and the overrides it trains with."""
+    arm = ARMS[name]
+    values = tuple(point[a.name] for a in arm.axes)
+    return out / name / label(arm, values), o + arm.overrides(point, arm_steps(name, o))
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     out = args["out"]
-    # each arm's steps (its warmup is set per trial from the share: 0 here, so that any fits)
-    o = [*args["o"], "optim.warmup_steps=0"]
-    steps = {a: load_config(str(REPO / ARMS[a].config), o).train.max_steps for a in args["arms"]}
+    steps = {a: arm_steps(a, args["o"]) for a in args["arms"]}
     plan = {a: (REPO / ARMS[a].config).read_text() for a in args["arms"]}
     out.mkdir(parents=True, exist_ok=True)
     check_plan(out, {"configs": plan, "overrides": args["o"], "seed": SEED})
@@ -297,9 +309,9 @@ def main(argv: list[str]) -> int:
 
     def trial(name: str, point: tuple[float, ...]) -> float:
         arm = ARMS[name]
-        overrides = args["o"] + arm.overrides(point_dict(arm, point), steps[name])
-        kept = args["kept"] / name / label(arm, point) if args["kept"] else None
-        return train_trial(arm, out / name / label(arm, point), overrides, kept)
+        run_dir, overrides = trial_of(name, point_dict(arm, point), args["o"], out)
+        kept = args["kept"] / name / run_dir.name if args["kept"] else None
+        return train_trial(arm, run_dir, overrides, kept)
 
     def save() -> None:
         report = results(args, searches, steps)
