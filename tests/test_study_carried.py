@@ -36,7 +36,7 @@ def test_a_carried_point_is_the_trial_tune_py_trains_for_it(tmp_path, monkeypatc
     cell = cells(["code"], ("code-large-1x",))[0]
     asked = {}
 
-    def fake_trial(arm, run_dir, overrides, kept=None):
+    def fake_trial(arm, run_dir, overrides, kept=None, env=None):
         asked.setdefault(run_dir, []).append((overrides, kept))
         return 3.0
 

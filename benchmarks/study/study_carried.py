@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 
 import study_saved
 import study_tuned
+import study_tuning
 import tune
 from study_cells import Cell, tune_cell, tuning_dir
 
@@ -46,15 +48,20 @@ def carried(args, cell: Cell) -> dict[str, dict[str, float]]:
 
 
 def trials(args, cell: Cell) -> dict[str, float]:
-    """Train (or read back) each arm's carried point at `cell`: its final val loss per arm."""
+    """Train (or read back) each arm's carried point at `cell`, --jobs at a time (one thread
+    each): its final val loss per arm."""
     out = tuning_dir(args.out, cell)
     o = cell.overrides(args.data / f"{cell.corpus}-tune")  # what run_tuning gives tune.py
-    losses = {}
-    for arm, point in carried(args, cell).items():
+    env = study_tuning.one_thread(args)
+
+    def trial(arm: str, point: dict[str, float]) -> float:
         run_dir, overrides = tune.trial_of(arm, point, o, out)
         kept = study_saved.kept(args.out, args.results, run_dir)
-        losses[arm] = tune.train_trial(tune.ARMS[arm], run_dir, overrides, kept)
-    return losses
+        return tune.train_trial(tune.ARMS[arm], run_dir, overrides, kept, env)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        done = {arm: pool.submit(trial, arm, p) for arm, p in carried(args, cell).items()}
+    return {arm: f.result() for arm, f in done.items()}
 
 
 def seed_sd(race: dict | None, label: str) -> float | None:

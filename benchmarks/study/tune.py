@@ -165,9 +165,12 @@ def restore(arm: Arm, run_dir: Path, overrides: list[str], kept: Path) -> None:
         print(f"tune: {run_dir} copied from {kept}", file=sys.stderr)
 
 
-def train_trial(arm: Arm, run_dir: Path, overrides: list[str], kept: Path | None = None) -> float:
-    """One trial as `gptrain train` in a subprocess (its output to stderr); a finished run is
-    read, one kept in `kept` copied back first; a trial that finishes is kept there."""
+def train_trial(
+    arm: Arm, run_dir: Path, overrides: list[str], kept: Path | None = None, env=None
+) -> float:
+    """One trial as `gptrain train` in a subprocess (its output to stderr, its environment `env`,
+    default this one's); a finished run is read, one kept in `kept` copied back first; a trial
+    that finishes is kept there."""
     if kept is not None and not run_dir.exists():
         restore(arm, run_dir, overrides, kept)
     if (loss := read_loss(run_dir)) is not None:
@@ -177,7 +180,7 @@ def train_trial(arm: Arm, run_dir: Path, overrides: list[str], kept: Path | None
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", str(REPO / arm.config)]
     cmd += [f"--{o}" for o in overrides] + [f"--train.seed={SEED}", f"--run.dir={run_dir}"]
     print(f"tune: {run_dir}", file=sys.stderr)
-    code = subprocess.run(cmd, stdout=sys.stderr).returncode
+    code = subprocess.run(cmd, stdout=sys.stderr, env=env).returncode
     if code == 2:
         raise UserError(f"gptrain train refused {run_dir}'s config (its line is above); fix it")
     if code in (130, -2):
