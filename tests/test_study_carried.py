@@ -64,7 +64,7 @@ def test_the_table_holds_an_arm_within_one_seed_sd_of_the_cells_own_best(tmp_pat
     finished_tuning(tuning_dir(args.out, cell) / "tune.json", points, {"recipe": 3.00, "baseline": 3.20})  # fmt: skip
     carried_loss = {"recipe": 3.01, "baseline": 3.30}
     for arm, point in points.items():  # the carried trials, finished
-        run_dir, _ = tune.trial_of(arm, point, [], tuning_dir(args.out, cell))
+        run_dir = tune.trial_dir(arm, point, tuning_dir(args.out, cell))
         run_dir.mkdir(parents=True)
         (run_dir / "summary.json").write_text(json.dumps({"val_loss": carried_loss[arm]}))
     rows = study_carried.rows(args, cell)

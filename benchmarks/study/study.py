@@ -144,7 +144,7 @@ def run_race(args, cell: Cell) -> bool:
         print(f"study: race {cell.name}: {' '.join(cmd)}", file=sys.stderr)
         env = study_tuning.one_thread(args)
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
-        keep(args, out)
+        keep(args)
         if done.returncode != 0:
             raise UserError(f"the race {out} failed (its line is above); fix it and run again")
         if not done.stdout.strip():
@@ -156,9 +156,9 @@ def run_race(args, cell: Cell) -> bool:
     return True
 
 
-def keep(args, out: Path) -> None:
-    """Every finished run under `out` kept in --results (study_saved), to continue elsewhere."""
-    if written := study_saved.keep_runs(out, args.results):
+def keep(args) -> None:
+    """Every finished run in OUT kept in --results (study_saved), to continue elsewhere."""
+    if written := study_saved.keep_runs(args.out, args.results):
         print(f"study: kept {len(written)} files of finished runs in {args.results}", file=sys.stderr)  # fmt: skip
 
 
@@ -191,7 +191,7 @@ def run(args) -> int:
             if cell not in study_tuning.own(args):
                 study_tuning.tuned(args, cell)
         print(f"study: the tuning cell's points from {args.tuned}", file=sys.stderr)
-    keep(args, args.out)  # what finished here before a stop, kept before anything else runs
+    keep(args)  # what finished here before a stop, kept before anything else runs
     if "data" in stages:
         prepare_data(args)
     if "tune" in stages:
@@ -216,7 +216,7 @@ def report(args) -> int:
     from --results (study_saved); --save first copies OUT's finished races there."""
     every = cells(args.corpora)
     if args.save:
-        keep(args, args.out)
+        keep(args)
         for cell in every:
             for folder in RACES:
                 for path in study_saved.save(args.out / "races" / cell.name / folder, args.results, cell.name, folder):  # fmt: skip

@@ -78,8 +78,7 @@ def rows(args, cell: Cell) -> list[dict]:
     report = json.loads((tuning_dir(args.out, cell) / "tune.json").read_text())
     out, points = [], carried(args, cell)
     for arm, point in points.items():
-        run_dir, _ = tune.trial_of(arm, point, [], tuning_dir(args.out, cell))
-        carried_loss = tune.read_loss(run_dir)
+        carried_loss = tune.read_loss(tune.trial_dir(arm, point, tuning_dir(args.out, cell)))
         own = report["arms"][arm]["best"]["val_loss"]
         folder, label = AT_1X[arm]
         race = study_saved.find(args.out, args.results, cell.name, folder, "race.json")

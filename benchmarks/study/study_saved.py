@@ -42,7 +42,8 @@ def _copy(source: Path, dest: Path) -> bool:
 
 
 def kept(out: Path, results: Path, run_dir: Path) -> Path:
-    """Where the run `run_dir` (a folder under OUT) is kept: results/runs/<its path under OUT>."""
+    """Where the run `run_dir` (a folder under OUT) is kept: results/finished_runs/<its path
+    under OUT>."""
     return results / "finished_runs" / run_dir.relative_to(out)
 
 

@@ -293,12 +293,16 @@ def arm_steps(name: str, o: list[str]) -> int:
     return load_config(str(REPO / ARMS[name].config), [*o, "optim.warmup_steps=0"]).train.max_steps
 
 
+def trial_dir(name: str, point: dict[str, float], out: Path) -> Path:
+    """The run directory in OUT of arm `name`'s trial at `point`."""
+    arm = ARMS[name]
+    return out / name / label(arm, tuple(point[a.name] for a in arm.axes))
+
+
 def trial_of(name: str, point: dict[str, float], o: list[str], out: Path) -> tuple[Path, list[str]]:
     """The trial of arm `name` at `point` under the tuning's overrides `o`: its run directory in
     OUT and the overrides it trains with."""
-    arm = ARMS[name]
-    values = tuple(point[a.name] for a in arm.axes)
-    return out / name / label(arm, values), o + arm.overrides(point, arm_steps(name, o))
+    return trial_dir(name, point, out), o + ARMS[name].overrides(point, arm_steps(name, o))
 
 
 def main(argv: list[str]) -> int:
