@@ -74,7 +74,11 @@ def test_a_kept_tuning_trial_is_read_back_on_a_new_machine_not_trained(
         raise AssertionError("a kept trial was trained again")
 
     monkeypatch.setattr(subprocess, "run", no_training)
+    saved = {p.name: p.read_bytes() for p in kept.iterdir()}
     assert tune.train_trial(tiny_arm, tmp_path / "new" / "point", o, kept) == first
+    assert {
+        p.name: p.read_bytes() for p in kept.iterdir()
+    } == saved  # the copy back is not kept again
     other = [*o, "optim.weight_decay=0.0"]  # another point's config: not read from this one
     with pytest.raises(AssertionError, match="trained again"):
         tune.train_trial(tiny_arm, tmp_path / "new" / "other", other, kept)

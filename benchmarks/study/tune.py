@@ -174,7 +174,7 @@ def train_trial(
     if kept is not None and not run_dir.exists():
         restore(arm, run_dir, overrides, kept)
     if (loss := read_loss(run_dir)) is not None:
-        if kept is not None:
+        if kept is not None and not (kept / "summary.json").is_file():  # finished before --kept
             study_saved.keep_run(run_dir, kept)
         return loss
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", str(REPO / arm.config)]
