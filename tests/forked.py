@@ -19,11 +19,20 @@ Per command: the client sends argv, env, cwd and its stdio fds to the zygote (a 
 the zygote forks a monitor, which forks the worker and reports its pid, then its exit status.
 The worker is a grandchild of the zygote, so it is never a child of pytest: poll/wait read the
 monitor's report instead of waitpid.
+
+torch.distributed.run started in a forked child (directly, or by gptrain's own launcher) starts
+its workers with the interpreter its documented PYTHON_EXEC variable names; a forked child's is
+a small script of its zygote's, `python`, which has the zygote fork the worker and then stands in
+for it: the launcher's signals are passed on to the worker, the worker's exit code or signal is
+the script's own, and killing the script kills the worker (the monitor watches its caller). So
+the launcher sees what a fresh worker would give it, and each worker skips the imports. A command
+or environment the zygote cannot run is exec'ed with the real interpreter, unchanged.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import select
@@ -39,6 +48,8 @@ import time
 # variables read at run time, not while modules import: they may differ between children
 RUNTIME = ("GPTRAIN_", "PYTEST_", "WANDB_", "TORCHELASTIC_", "TORCH_NCCL_", "MASTER_", "SLURM_")
 RUNTIME_EXACT = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "PYTHON_EXEC",
+                 "NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
                  "PYTHONUNBUFFERED", "TORCH_FR_BUFFER_SIZE", "WAIT_FOR_PORT"}  # fmt: skip
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.run",
            "torch.distributed.checkpoint", "matplotlib", "gptrain.__main__",
@@ -79,19 +90,26 @@ class _Zygote:
             time.sleep(0.05)
 
     def start(self, argv, env, cwd, fds, new_session) -> socket.socket:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        conn.connect(self.path)
-        req = dict(argv=argv, env=env, cwd=os.fspath(cwd or os.getcwd()), session=new_session)
-        # a fresh interpreter inherits an ignored SIGINT (a background job of a non-interactive
-        # shell starts so); otherwise it installs its KeyboardInterrupt handler
-        req["sigint_ignored"] = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        socket.send_fds(conn, [json.dumps(req).encode()], fds)
-        return conn
+        return _start(self.path, argv, env, cwd, fds, new_session)
 
     def close(self):
         self.proc.kill()
         self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _start(path, argv, env, cwd, fds, new_session, tied=False) -> socket.socket:
+    """Has the zygote at `path` fork `argv`; its monitor's connection (the pid, then the exit
+    status). tied: the worker is SIGKILLed when this caller's end of the connection closes."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.connect(path)
+    req = dict(argv=argv, env=env, cwd=os.fspath(cwd or os.getcwd()), session=new_session)
+    req["tied"] = tied
+    # a fresh interpreter inherits an ignored SIGINT (a background job of a non-interactive
+    # shell starts so); otherwise it installs its KeyboardInterrupt handler
+    req["sigint_ignored"] = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    socket.send_fds(conn, [json.dumps(req).encode()], fds)
+    return conn
 
 
 _ZYGOTES: dict[tuple, _Zygote] = {}
@@ -225,12 +243,63 @@ def run(args, *, env=None, cwd=None, capture_output=False, stdin=None, stdout=No
     return done
 
 
+# --- the workers' interpreter (PYTHON_EXEC in forked children) -------------------------------
+
+# what torch's launcher sends its workers (to the process group the script leads), passed on
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)  # fmt: skip
+
+
+def _key_digest(env) -> str:
+    return hashlib.sha256(json.dumps(_import_key(env)).encode()).hexdigest()
+
+
+def _write_interpreter(path: str, digest: str) -> str:
+    """The zygote's `python` script (PYTHON_EXEC of its forked children), beside its socket;
+    digest: its environment's, before preloading (which sets some variables)."""
+    script = os.path.join(os.path.dirname(path), "python")
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(script, "w") as f:  # -S: the script needs only the standard library
+        f.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {here!r})\n")
+        f.write(f"import forked\nforked.as_python({path!r}, {digest!r})\n")
+    os.chmod(script, 0o755)
+    return script
+
+
+def as_python(path: str, digest: str) -> None:
+    """`python ARGS...` as the zygote at `path` runs it: forked, with this process standing in
+    for the worker (signals passed on, its exit code or signal returned, killed with it)."""
+    args = [sys.executable, *sys.argv[1:]]
+    argv = _parse(args)
+    if argv is None or _key_digest(os.environ) != digest:
+        os.execv(sys.executable, args)  # not the zygote's to run: a fresh interpreter, as asked
+    conn = _start(path, argv, dict(os.environ), None, [0, 1, 2], True, tied=True)
+    pid = int(conn.recv(64))
+
+    def pass_on(sig, _frame):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # it has ended; its status is on its way
+            pass
+
+    for sig in PASSED_ON:
+        signal.signal(sig, pass_on)
+    msg = conn.recv(64)
+    code = int(msg) if msg else -signal.SIGKILL
+    if code < 0:  # ended by a signal: end by the same one
+        for sig in PASSED_ON:
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(code)
+
+
 # --- the zygote (runs as `python tests/forked.py serve SOCKET`) ------------------------------
 
 
 def _serve(path: str) -> None:
     import importlib
 
+    digest = _key_digest(os.environ)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -241,6 +310,8 @@ def _serve(path: str) -> None:
     if threading.active_count() != 1:
         raise SystemExit(f"zygote: preloading started threads {threading.enumerate()}")
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
+    # the workers' interpreter of children whose environment names none of its own
+    os.environ["PYTHON_EXEC"] = _write_interpreter(path, digest)
     parent = os.getppid()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)
@@ -281,6 +352,10 @@ def _monitor(conn, req, fds) -> None:
     try:
         os.read(ready_r, 1)
         conn.send(str(pid).encode())
+        if req["tied"]:  # until the worker ends; killed if its caller ends first
+            ended = os.pidfd_open(pid)
+            if conn in select.select([conn, ended], [], [])[0] and not conn.recv(1):
+                os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         conn.send(str(os.waitstatus_to_exitcode(status)).encode())
     finally:
@@ -301,8 +376,10 @@ def _child(req, fds, ready: int) -> None:
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
     os.chdir(req["cwd"])
+    python = os.environ["PYTHON_EXEC"]
     os.environ.clear()
     os.environ.update(req["env"])
+    os.environ.setdefault("PYTHON_EXEC", python)
     os.write(ready, b"1")
     os.close(ready)
     argv = list(req["argv"])

@@ -1,6 +1,7 @@
 """tests/forked.py, the tests' process launcher, against subprocess: the same output, exit
 codes, signals, sessions, environment and working directory, and a training run whose weights
-equal a fresh process's bit for bit."""
+equal a fresh process's bit for bit; the interpreter torch.distributed.run starts its workers
+with in forked children stands in for them as a fresh worker would."""
 
 import contextlib
 import json
@@ -82,6 +83,44 @@ def test_a_sigint_its_caller_ignores_is_ignored_as_by_a_fresh_process():
                         p.wait(timeout=1)
                     p.kill()
                 assert p.wait(timeout=30) == (-signal.SIGKILL if ignored else -signal.SIGINT)
+
+
+WORKER = """import os, signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(5))
+print(os.getpid(), "torch" in sys.modules, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGUSR1, 5), (signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)])  # fmt: skip
+def test_the_workers_interpreter_forks_them_and_stands_in_for_them(sig, code):
+    """PYTHON_EXEC of forked children, the `python` torch.distributed.run starts each worker
+    with, started as torch's launcher starts it (its own session) and signalled as it signals
+    (the process group): the worker is forked (torch already imported), the signal reaches it,
+    its exit code or signal is the launcher's child's, and a SIGKILL of the child ends the
+    worker too."""
+    env = dict(os.environ)  # as the launcher passes it (pytest's own has COLUMNS and LINES too)
+    python = os.path.join(forked._zygote(env).dir, "python")
+    p = subprocess.Popen([python, "-u", "-c", WORKER], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    pid, preloaded = p.stdout.readline().split()
+    assert preloaded == "True" and int(pid) != p.pid
+    os.killpg(p.pid, sig)
+    assert p.wait(timeout=30) == code
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline, "the worker outlived its launcher's child"
+        time.sleep(0.01)
+
+
+def test_the_workers_interpreter_gives_what_a_fresh_interpreter_gives(tmp_path):
+    """Its output and exit code; an environment that imports differently (a variable no zygote
+    has) or a command the zygote does not run is a fresh interpreter, as asked."""
+    env = dict(os.environ)
+    python = os.path.join(forked._zygote(env).dir, "python")
+    code = "import sys; print('torch' in sys.modules); sys.exit(7)"
+    for other, args, preloaded in (({}, ["-c", code], "True"), ({"FORKED_TEST_OTHER_IMPORTS": "1"}, ["-c", code], "False"), ({}, ["-I", "-c", code], "False")):  # fmt: skip
+        done = subprocess.run([python, *args], env={**env, **other}, capture_output=True, text=True)  # fmt: skip
+        assert (done.returncode, done.stdout) == (7, preloaded + "\n")
 
 
 def test_own_session_own_pid_and_time_out():
