@@ -4,6 +4,7 @@ docs/study.md)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +40,14 @@ class Size:
 SIZES = {"small": Size("small", 4, 64, 4), "large": Size("large", 4, 96, 6)}  # head size 16
 
 
+@functools.cache
+def base_config():
+    """The study's base config, read once (the plan asks for its batch thousands of times)."""
+    return load_config(str(BASE))
+
+
 def batch_tokens() -> int:
-    return load_config(str(BASE)).train.total_batch_size
+    return base_config().train.total_batch_size
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ def run_seconds(cell: Cell, speed: dict, multiple: float = 1.0) -> float:
     each), at `speed` (a size's measured tok_per_cpu_s and start_cpu_s)."""
     tokens = cell.steps * multiple * batch_tokens()
     evals = int(cell.steps * multiple) // max(1, cell.steps // EVALS) + 1
-    eval_tokens = load_config(str(BASE)).eval.tokens
+    eval_tokens = base_config().eval.tokens
     work = tokens + evals * eval_tokens * EVAL_COST
     return speed["start_cpu_s"] + work / speed["tok_per_cpu_s"]
 
