@@ -5,10 +5,10 @@ anything runs."""
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from train_helpers import REPO
 
@@ -133,7 +133,7 @@ def test_study_run_with_a_bad_record_stops_with_one_line_before_anything_runs(tm
     out = tmp_path / "study"
     cmd = [sys.executable, str(REPO / "benchmarks/study/study.py"), "run", "--corpora", "prose"]
     cmd += ["--tuned", str(path), "--out", str(out), "--data", str(tmp_path / "data"), *stages]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = forked.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert (
         done.stderr.strip().splitlines()
@@ -147,7 +147,7 @@ def test_study_run_with_a_bad_record_stops_with_one_line_before_anything_runs(tm
 def test_recording_an_unfinished_tuning_is_refused(tmp_path):
     finished_tuning(tmp_path, "prose", POINTS, complete=False)
     cmd = [sys.executable, str(REPO / "benchmarks/study/study_tuned.py"), "--out", str(tmp_path)]
-    done = subprocess.run(cmd + ["--corpora", "prose"], capture_output=True, text=True, timeout=120)
+    done = forked.run(cmd + ["--corpora", "prose"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert (
         done.stderr.strip().splitlines()

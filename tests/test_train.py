@@ -316,14 +316,12 @@ def test_progress_bar_only_on_a_terminal(byte_data, tmp_path):
     ]
     args += ["--log.every=2"]
     args += ["--eval.tokens=512", "--log.progress=true"]
-    piped = subprocess.run([*args, f"--run.dir={tmp_path / 'a'}"], capture_output=True, text=True)
+    piped = forked.run([*args, f"--run.dir={tmp_path / 'a'}"], capture_output=True, text=True)
     assert piped.returncode == 0, piped.stderr
     assert "step 2/4 loss" in piped.stdout and "\r" not in piped.stderr
     main, sub = pty.openpty()
     fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100
-    proc = subprocess.Popen(
-        [*args, f"--run.dir={tmp_path / 'b'}"], stdout=subprocess.PIPE, stderr=sub
-    )
+    proc = forked.Popen([*args, f"--run.dir={tmp_path / 'b'}"], stdout=subprocess.PIPE, stderr=sub)
     os.close(sub)
     drawn = b""
     while True:  # read while it runs: the terminal's buffer is small
