@@ -272,17 +272,24 @@ def as_python(path: str, digest: str) -> None:
     argv = _parse(args)
     if argv is None or _key_digest(os.environ) != digest:
         os.execv(sys.executable, args)  # not the zygote's to run: a fresh interpreter, as asked
-    conn = _start(path, argv, dict(os.environ), None, [0, 1, 2], True, tied=True)
-    pid = int(conn.recv(64))
+    pending, worker = [], []  # signals that came before the worker's pid; its pid
 
     def pass_on(sig, _frame):
+        if not worker:
+            pending.append(sig)
+            return
         try:
-            os.kill(pid, sig)
+            os.kill(worker[0], sig)
         except ProcessLookupError:  # it has ended; its status is on its way
             pass
 
-    for sig in PASSED_ON:
-        signal.signal(sig, pass_on)
+    for sig in PASSED_ON:  # an ignored SIGINT stays ignored, as the worker inherits it
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, pass_on)
+    conn = _start(path, argv, dict(os.environ), None, [0, 1, 2], True, tied=True)
+    worker.append(int(conn.recv(64)))
+    for sig in pending:
+        pass_on(sig, None)
     msg = conn.recv(64)
     code = int(msg) if msg else -signal.SIGKILL
     if code < 0:  # ended by a signal: end by the same one
@@ -352,9 +359,9 @@ def _monitor(conn, req, fds) -> None:
     try:
         os.read(ready_r, 1)
         conn.send(str(pid).encode())
-        if req["tied"]:  # until the worker ends; killed if its caller ends first
-            ended = os.pidfd_open(pid)
-            if conn in select.select([conn, ended], [], [])[0] and not conn.recv(1):
+        if req["tied"]:  # until the worker ends; killed if its caller ends first (the caller
+            ended = os.pidfd_open(pid)  # sends nothing: its end is readable once it is closed)
+            if conn in select.select([conn, ended], [], [])[0]:
                 os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         conn.send(str(os.waitstatus_to_exitcode(status)).encode())

@@ -104,12 +104,22 @@ def test_the_workers_interpreter_forks_them_and_stands_in_for_them(sig, code):
     p = subprocess.Popen([python, "-u", "-c", WORKER], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     pid, preloaded = p.stdout.readline().split()
     assert preloaded == "True" and int(pid) != p.pid
+    started = start_time(pid)
     os.killpg(p.pid, sig)
     assert p.wait(timeout=30) == code
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}"):
+    while start_time(pid) == started:  # the same process (a pid is soon reused)
         assert time.monotonic() < deadline, "the worker outlived its launcher's child"
         time.sleep(0.01)
+
+
+def start_time(pid) -> str | None:
+    """/proc/PID/stat's start time: with the pid, names one process; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def test_the_workers_interpreter_gives_what_a_fresh_interpreter_gives(tmp_path):
