@@ -23,8 +23,8 @@ train: setup
 	$(BIN)/gptrain train --config configs/default.toml $(ARGS)
 
 # Two pytest workers (pytest-xdist), a test file each at a time (module fixtures are built once),
-# one thread per process: on 2 cores the workers fill both, measured 8.2 min against 10.9 serial
-# (benchmarks/RESULTS.md, "Test-suite time"). TEST_WORKERS=0 runs serially.
+# one thread per process: on 2 cores the workers fill both (times: benchmarks/RESULTS.md,
+# "Test-suite time"). TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
