@@ -57,6 +57,16 @@ PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distri
            "gptrain.commands.sample", "gptrain.commands.export", "gptrain.commands.bench"]  # fmt: skip
 
 
+# signals a child starts ignoring when its caller ignores them, as a fresh interpreter inherits
+# an ignored signal (SIGINT: a background job of a non-interactive shell starts so); also what
+# the workers' interpreter passes on (torch's launcher signals the process group it leads)
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)  # fmt: skip
+
+
+def _ignored() -> list[int]:
+    return [int(s) for s in PASSED_ON if signal.getsignal(s) is signal.SIG_IGN]
+
+
 def _import_key(env: dict) -> tuple:
     def runtime(k):
         return k in RUNTIME_EXACT or k.startswith(RUNTIME)
@@ -98,16 +108,14 @@ class _Zygote:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _start(path, argv, env, cwd, fds, new_session, tied=False) -> socket.socket:
+def _start(path, argv, env, cwd, fds, new_session, tied=False, ignored=None) -> socket.socket:
     """Has the zygote at `path` fork `argv`; its monitor's connection (the pid, then the exit
-    status). tied: the worker is SIGKILLed when this caller's end of the connection closes."""
+    status). tied: the worker is SIGKILLed when this caller's end of the connection closes.
+    ignored: the signals the worker starts ignoring (default: those this caller ignores)."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.connect(path)
     req = dict(argv=argv, env=env, cwd=os.fspath(cwd or os.getcwd()), session=new_session)
-    req["tied"] = tied
-    # a fresh interpreter inherits an ignored SIGINT (a background job of a non-interactive
-    # shell starts so); otherwise it installs its KeyboardInterrupt handler
-    req["sigint_ignored"] = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    req.update(tied=tied, ignored=_ignored() if ignored is None else ignored)
     socket.send_fds(conn, [json.dumps(req).encode()], fds)
     return conn
 
@@ -245,9 +253,6 @@ def run(args, *, env=None, cwd=None, capture_output=False, stdin=None, stdout=No
 
 # --- the workers' interpreter (PYTHON_EXEC in forked children) -------------------------------
 
-# what torch's launcher sends its workers (to the process group the script leads), passed on
-PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)  # fmt: skip
-
 
 def _key_digest(env) -> str:
     return hashlib.sha256(json.dumps(_import_key(env)).encode()).hexdigest()
@@ -283,10 +288,10 @@ def as_python(path: str, digest: str) -> None:
         except ProcessLookupError:  # it has ended; its status is on its way
             pass
 
-    for sig in PASSED_ON:  # an ignored SIGINT stays ignored, as the worker inherits it
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, pass_on)
-    conn = _start(path, argv, dict(os.environ), None, [0, 1, 2], True, tied=True)
+    ignored = _ignored()  # the worker starts ignoring them too; it may handle them later
+    for sig in PASSED_ON:
+        signal.signal(sig, pass_on)
+    conn = _start(path, argv, dict(os.environ), None, [0, 1, 2], True, True, ignored)
     worker.append(int(conn.recv(64)))
     for sig in pending:
         pass_on(sig, None)
@@ -358,11 +363,16 @@ def _monitor(conn, req, fds) -> None:
         os.close(fd)
     try:
         os.read(ready_r, 1)
-        conn.send(str(pid).encode())
-        if req["tied"]:  # until the worker ends; killed if its caller ends first (the caller
-            ended = os.pidfd_open(pid)  # sends nothing: its end is readable once it is closed)
-            if conn in select.select([conn, ended], [], [])[0]:
+        try:
+            conn.send(str(pid).encode())
+            # tied: until the worker ends, killed if its caller ends first (the caller sends
+            # nothing: its end is readable once it is closed)
+            if req["tied"] and conn in select.select([conn, os.pidfd_open(pid)], [], [])[0]:
                 os.kill(pid, signal.SIGKILL)
+        except OSError:  # the caller has gone (its end reset: the pid unread)
+            if not req["tied"]:
+                raise
+            os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         conn.send(str(os.waitstatus_to_exitcode(status)).encode())
     finally:
@@ -376,8 +386,9 @@ def _child(req, fds, ready: int) -> None:
 
     if req["session"]:
         os.setsid()
-    ignored = req["sigint_ignored"]  # as the caller's fresh interpreter would start, not the zygote
-    signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
+    for sig in PASSED_ON:  # as the caller's fresh interpreter would start, not as the zygote
+        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        signal.signal(sig, signal.SIG_IGN if sig in req["ignored"] else default)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:

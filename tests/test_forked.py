@@ -92,16 +92,30 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGUSR1, 5), (signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)])  # fmt: skip
-def test_the_workers_interpreter_forks_them_and_stands_in_for_them(sig, code):
+@pytest.mark.parametrize(
+    "sig, code, ignored",
+    [
+        (signal.SIGUSR1, 5, False),
+        (signal.SIGUSR1, 5, True),  # ignored by the launcher: the worker's own handler still runs
+        (signal.SIGTERM, -signal.SIGTERM, False),
+        (signal.SIGKILL, -signal.SIGKILL, False),
+    ],
+)
+def test_the_workers_interpreter_forks_them_and_stands_in_for_them(sig, code, ignored):
     """PYTHON_EXEC of forked children, the `python` torch.distributed.run starts each worker
     with, started as torch's launcher starts it (its own session) and signalled as it signals
     (the process group): the worker is forked (torch already imported), the signal reaches it,
     its exit code or signal is the launcher's child's, and a SIGKILL of the child ends the
-    worker too."""
+    worker too. A signal its launcher ignores, the worker starts ignoring, as a fresh one would,
+    and handles once it installs a handler."""
     env = dict(os.environ)  # as the launcher passes it (pytest's own has COLUMNS and LINES too)
     python = os.path.join(forked._zygote(env).dir, "python")
-    p = subprocess.Popen([python, "-u", "-c", WORKER], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    before = signal.signal(sig, signal.SIG_IGN) if ignored else None
+    try:
+        p = subprocess.Popen([python, "-u", "-c", WORKER], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    finally:
+        if ignored:
+            signal.signal(sig, before)
     pid, preloaded = p.stdout.readline().split()
     assert preloaded == "True" and int(pid) != p.pid
     started = start_time(pid)
