@@ -32,6 +32,7 @@ or environment the zygote cannot run is exec'ed with the real interpreter, uncha
 from __future__ import annotations
 
 import atexit
+import gc
 import hashlib
 import json
 import os
@@ -317,10 +318,20 @@ def _serve(path: str) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    try:  # gptrain's plots (logs/plot.py): its backend, then pyplot (~0.5-1 s to import)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError:
+        pass
     # forking a process with Python threads is unsafe; numpy's OpenBLAS starts an OS thread of
     # its own, which it shuts down and restarts around fork (pthread_atfork)
     if threading.active_count() != 1:
         raise SystemExit(f"zygote: preloading started threads {threading.enumerate()}")
+    # the preloaded modules live as long as every child: the cyclic collector of a child skips
+    # them (a full collection over torch's objects takes ~0.3 s, and would write to every page)
+    gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
     # the workers' interpreter of children whose environment names none of its own
     os.environ["PYTHON_EXEC"] = _write_interpreter(path, digest)
