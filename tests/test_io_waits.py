@@ -12,8 +12,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SLOW_S = 5  # each slowed step takes this long: more than dist.timeout_s
-TIMEOUT_S = 3
+SLOW_S = 2.5  # each slowed step takes this long: more than dist.timeout_s
+TIMEOUT_S = 2
 
 
 def test_peers_wait_for_main_process_io_beyond_dist_timeout(byte_data, tmp_path):
