@@ -88,7 +88,7 @@ def reference(hf_dir, path, n: int, block_size: int):
 @pytest.mark.parametrize(
     "tok_name,block_size,n,arch",
     [
-        pytest.param("gpt2", 256, 100, "gpt2", marks=pytest.mark.slow),
+        pytest.param("gpt2", 256, 40, "gpt2", marks=pytest.mark.slow),
         ("byte", 192, 60, "gpt2"),
         ("byte", 192, 16, "nanochat"),
     ],

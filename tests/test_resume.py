@@ -181,7 +181,7 @@ def test_rerunning_a_finished_run_changes_nothing(byte_data, tmp_path, capsys):
 def test_sigkill_at_any_moment_then_resume_equals_uninterrupted_run(byte_data, tmp_path):
     """A run killed with SIGKILL (no chance to clean up) and started again with the same command
     ends with the uninterrupted run's weights bit for bit, and its metrics hold every step once."""
-    common = ["train.max_steps=120", "checkpoint.every=40", "eval.every=0", "eval.sample_every=0"]
+    common = ["train.max_steps=90", "checkpoint.every=30", "eval.every=0", "eval.sample_every=0"]
     common += ["eval.tokens=512", "eval.sample_tokens=1", "model.dropout=0.1", "log.every=1"]
     run(byte_data, tmp_path / "full", *common)
     crashed = tmp_path / "crashed"
@@ -190,9 +190,9 @@ def test_sigkill_at_any_moment_then_resume_equals_uninterrupted_run(byte_data, t
     proc = forked.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     metrics_file = crashed / "metrics.jsonl"
-    while time.time() < deadline and proc.poll() is None:  # kill between checkpoints 40 and 80
+    while time.time() < deadline and proc.poll() is None:  # kill between checkpoints 30 and 60
         text = metrics_file.read_text() if metrics_file.is_file() else ""
-        if '"step": 50,' in text:
+        if '"step": 40,' in text:
             break
         time.sleep(0.005)
     proc.kill()
@@ -202,8 +202,8 @@ def test_sigkill_at_any_moment_then_resume_equals_uninterrupted_run(byte_data, t
     logged = [
         json.loads(x)["step"] for x in metrics_file.read_text().splitlines() if x.endswith("}")
     ]
-    assert stopped_at == "step_00000040" and max(logged) >= 50  # 10+ steps past the checkpoint
-    assert run(byte_data, crashed, *common)["steps"] == 120
+    assert stopped_at == "step_00000030" and max(logged) >= 40  # 10+ steps past the checkpoint
+    assert run(byte_data, crashed, *common)["steps"] == 90
     a, b = weights(tmp_path / "full"), weights(crashed)
     for k in a:
         assert torch.equal(a[k], b[k]), (k, stopped_at)
@@ -211,7 +211,7 @@ def test_sigkill_at_any_moment_then_resume_equals_uninterrupted_run(byte_data, t
     ref = [
         json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, 121))
+    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, 91))
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
 
 
