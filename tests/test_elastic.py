@@ -114,9 +114,8 @@ def test_two_loopback_agents_lose_a_node_and_get_it_back(byte_data, tmp_path):
     common = [f"train.max_steps={steps}", "train.micro_batch_size=4"]
     common += ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
     common += ["optim.warmup_steps=1", "log.every=1", "log.progress=false", "train.dtype=float32"]
-    run(
-        byte_data, tmp_path / "ref", *common, f"checkpoint.every={steps}"
-    )  # uninterrupted, 1 process
+    # uninterrupted, one process
+    run(byte_data, tmp_path / "ref", *common, f"checkpoint.every={steps}")
     common += ["checkpoint.every=5"]
     run_dir, port = tmp_path / "el", h.free_port()
     cmd = [sys.executable, "-c", AGENT, "train", "--config", DEBUG, f"--data.dir={byte_data}"]
