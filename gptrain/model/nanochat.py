@@ -125,7 +125,8 @@ def rotary(T: int, pos: int, head_dim: int, theta: float, device) -> tuple[Tenso
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """HF NanoChat's x * cos + rotate_half(x) * sin, rotate_half(x) = cat(x2, -x1): with rotary's
     tables that is x * cos + roll(x, hs/2) * sin (roll(x) = cat(x2, x1)), the same products and
-    sums in fewer passes. x (B, nh, T, hs), cos/sin (T, hs). The result in x's dtype."""
+    sums in fewer passes. x (..., T, [heads,] hs), cos/sin broadcast to it ((T, hs) or (T, 1, hs)).
+    The result in x's dtype."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + x.roll(x.size(-1) // 2, dims=-1) * sin
 
@@ -149,10 +150,12 @@ class CausalSelfAttention(nn.Module):
     ) -> Tensor:
         B, T, C = x.shape
         cos, sin = rope if rope is not None else rotary(T, pos, self.hs, self.theta, x.device)
-        q = self.c_q(x).view(B, T, self.n_head, self.hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.c_k(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs): over the heads of (B, T, nh, hs)
+        # RoPE, then norm, on the projections' own contiguous layout; then heads first
+        q = norm(apply_rotary(self.c_q(x).view(B, T, self.n_head, self.hs), cos, sin))
+        k = norm(apply_rotary(self.c_k(x).view(B, T, self.n_kv, self.hs), cos, sin))
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, nkv, T, hs)
         v = self.c_v(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
-        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # RoPE, then norm
         gqa = self.n_kv != self.n_head
         if cache is None:
             dropout_p = self.dropout if self.training else 0.0
