@@ -304,7 +304,7 @@ def test_identical_init_and_rank_specific_dropout(byte_data, tmp_path):
 def test_dead_or_stuck_peer_ends_the_run_with_its_rank(byte_data, tmp_path, how):
     """Rank 1 killed (or frozen) mid-run: rank 0 exits non-zero within the time-out, one line
     naming itself, the operation and rank 1."""
-    timeout_s = 5
+    timeout_s = 3
     args = gptrain_args(byte_data, tmp_path / "run", "--train.max_steps=100000", f"--dist.timeout_s={timeout_s}")  # fmt: skip
     procs = h.spawn(args)
     try:

@@ -72,15 +72,14 @@ def test_bad_input_more_processes_than_cores(byte_data, tmp_path):
 
 def test_bad_input_unreachable_rendezvous(byte_data, tmp_path):
     """Rank 1 alone: nobody listens at the endpoint; rank 0 alone: nobody joins. Both end after
-    dist.timeout_s with one line naming the address."""
-    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--dist.timeout_s=2"]  # fmt: skip
-    port = h.free_port()
-    worker = h.spawn(args, ranks=[1], port=port)
+    dist.timeout_s with one line naming the address (the two cases side by side, at two ports)."""
+    args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", "--dist.timeout_s=2"]  # fmt: skip
+    ports = h.free_port(), h.free_port()
+    worker = h.spawn([*args, f"--run.dir={tmp_path / 'r1'}"], ranks=[1], port=ports[0])
+    host = h.spawn([*args, f"--run.dir={tmp_path / 'r0'}"], ranks=[0], port=ports[1])
     one_line_errors(
-        h.wait_all(worker, 60), f"rank 1: cannot reach the rendezvous at 127.0.0.1:{port}"
+        h.wait_all(worker, 60), f"rank 1: cannot reach the rendezvous at 127.0.0.1:{ports[0]}"
     )
-    port = h.free_port()
-    host = h.spawn(args, ranks=[0], port=port)
     one_line_errors(h.wait_all(host, 60), "rank 0: not all 2 processes reached the rendezvous")
 
 
