@@ -13,7 +13,7 @@ from train_helpers import REPO
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 import gpu_recipe  # noqa: E402
 
-T = 2.0  # seconds: the dry run's budget T (tiny-model steps take a few milliseconds)
+T = 1.0  # seconds: the dry run's budget T (tiny-model steps take a few milliseconds)
 
 
 def test_the_dry_run_trains_each_config_for_its_budget_and_tables_their_summaries(
