@@ -313,6 +313,27 @@ def as_python(path: str, digest: str) -> None:
 # --- the zygote (runs as `python tests/forked.py serve SOCKET`) ------------------------------
 
 
+def _warm_plots() -> None:
+    """gptrain's plots (logs/plot.py): its backend and pyplot (~0.5-1 s to import), and one
+    figure drawn to memory, as a run's loss.png is (fonts, the PNG writer: ~0.2 s more)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    import io
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0], "o-", label="warm")
+    ax.set_title("warm")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(io.BytesIO(), format="png", dpi=100)
+    plt.close(fig)
+
+
 def _serve(path: str) -> None:
     import importlib
 
@@ -322,24 +343,7 @@ def _serve(path: str) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    try:  # gptrain's plots (logs/plot.py): its backend and pyplot (~0.5-1 s to import), and one
-        # figure drawn to memory, as a run's loss.png is (fonts, the PNG writer: ~0.2 s more)
-        import io
-
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots()
-        ax.plot([0, 1], [1, 0], "o-", label="warm")
-        ax.set_title("warm")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(io.BytesIO(), format="png", dpi=100)
-        plt.close(fig)
-    except ImportError:
-        pass
+    _warm_plots()
     # forking a process with Python threads is unsafe; numpy's OpenBLAS starts an OS thread of
     # its own, which it shuts down and restarts around fork (pthread_atfork)
     if threading.active_count() != 1:
