@@ -105,9 +105,42 @@ class NanoChatConfig:
         return ("nanochat", self.n_layer, self.n_embd, self.n_head, self.kv_heads, self.hidden)
 
 
+class _RMSNorm(torch.autograd.Function):
+    """y = x * r, r = rsqrt(|x|^2 / C + eps), in float32, the sum of squares in one reduction;
+    its gradient in one expression, dx = g * r - y * (r * mean(g * y)), rather than autograd's
+    walk back through pow, mean, rsqrt and two products (F.rms_norm is that composite on a CPU):
+    the same values to float32 rounding, fewer passes. Returns y in `dtype`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dtype: torch.dtype) -> Tensor:
+        xf = x.float()
+        r = torch.rsqrt(
+            torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square() / x.size(-1) + NORM_EPS
+        )
+        y = xf * r
+        ctx.save_for_backward(y, r)
+        ctx.x_dtype = x.dtype
+        return y.to(dtype)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None]:
+        y, r = ctx.saved_tensors
+        gf = g.float()
+        m = (gf * y).mean(-1, keepdim=True)
+        return torch.addcmul(gf * r, y, -(m * r)).to(ctx.x_dtype), None
+
+
 def norm(x: Tensor) -> Tensor:
     """Parameter-free RMSNorm over the last dim, in float32, cast back to x's dtype."""
-    return F.rms_norm(x.float(), (x.size(-1),), eps=NORM_EPS).type_as(x)
+    return _RMSNorm.apply(x, x.dtype)
+
+
+def norm_for_matmul(x: Tensor) -> Tensor:
+    """norm(x) for Linear layers' input: under autocast already in its dtype, the one rounding
+    each of the layers would make, made once (attention's three projections read it)."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return _RMSNorm.apply(x, dtype)
 
 
 def rotary(T: int, pos: int, head_dim: int, theta: float, device) -> tuple[Tensor, Tensor]:
@@ -122,13 +155,28 @@ def rotary(T: int, pos: int, head_dim: int, theta: float, device) -> tuple[Tenso
     return torch.cat((cos, cos), -1), torch.cat((sin, -sin), -1)
 
 
+class _Rotary(torch.autograd.Function):
+    """y = x * cos + roll(x) * sin (roll by half a head: its own inverse), so
+    dx = g * cos + roll(g * sin) = g * cos + roll(g) * roll(sin): three passes each way."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        half = g.size(-1) // 2
+        return torch.addcmul(g * cos, g.roll(half, dims=-1), sin.roll(half, dims=-1)), None, None
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """HF NanoChat's x * cos + rotate_half(x) * sin, rotate_half(x) = cat(x2, -x1): with rotary's
     tables that is x * cos + roll(x, hs/2) * sin (roll(x) = cat(x2, x1)), the same products and
     sums in fewer passes. x (..., T, [heads,] hs), cos/sin broadcast to it ((T, hs) or (T, 1, hs)).
     The result in x's dtype."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + x.roll(x.size(-1) // 2, dims=-1) * sin
+    return _Rotary.apply(x, cos.to(x.dtype), sin.to(x.dtype))
 
 
 class CausalSelfAttention(nn.Module):
@@ -150,10 +198,12 @@ class CausalSelfAttention(nn.Module):
     ) -> Tensor:
         B, T, C = x.shape
         cos, sin = rope if rope is not None else rotary(T, pos, self.hs, self.theta, x.device)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs): over the heads of (B, T, nh, hs)
+        q = self.c_q(x).view(B, T, self.n_head, self.hs)
+        k = self.c_k(x).view(B, T, self.n_kv, self.hs)
+        # (T, 1, hs), in q's dtype: over the heads of (B, T, nh, hs)
+        cos, sin = (t[:, None, :].to(q.dtype) for t in (cos, sin))
         # RoPE, then norm, on the projections' own contiguous layout; then heads first
-        q = norm(apply_rotary(self.c_q(x).view(B, T, self.n_head, self.hs), cos, sin))
-        k = norm(apply_rotary(self.c_k(x).view(B, T, self.n_kv, self.hs), cos, sin))
+        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, nkv, T, hs)
         v = self.c_v(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
         gqa = self.n_kv != self.n_head
@@ -177,6 +227,22 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+class _ReluSquared(torch.autograd.Function):
+    """relu(x)^2 with its gradient 2 * g * relu(x) in two passes (autograd's pow and threshold
+    gradients take three): the same values, bit for bit (doubling is exact)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        r = F.relu(x)
+        ctx.save_for_backward(r)
+        return r.square()
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        (r,) = ctx.saved_tensors
+        return (g * r).mul_(2)
+
+
 class MLP(nn.Module):
     def __init__(self, config: NanoChatConfig):
         super().__init__()
@@ -185,7 +251,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(F.relu(self.c_fc(x)).square()))  # (B, T, C)
+        return self.dropout(self.c_proj(_ReluSquared.apply(self.c_fc(x))))  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -200,8 +266,8 @@ class Block(nn.Module):
     def forward(
         self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, cache=None, pos: int = 0
     ) -> Tensor:
-        x = x + self.attn(norm(x), rope, cache, pos)  # (B, T, C)
-        return x + self.mlp(norm(x))
+        x = x + self.attn(norm_for_matmul(x), rope, cache, pos)  # (B, T, C)
+        return x + self.mlp(norm_for_matmul(x))
 
 
 class NanoChat(LanguageModel):
