@@ -32,6 +32,7 @@ or environment the zygote cannot run is exec'ed with the real interpreter, uncha
 from __future__ import annotations
 
 import atexit
+import gc
 import hashlib
 import json
 import os
@@ -46,11 +47,15 @@ import threading
 import time
 
 # variables read at run time, not while modules import: they may differ between children
-RUNTIME = ("GPTRAIN_", "PYTEST_", "WANDB_", "TORCHELASTIC_", "TORCH_NCCL_", "MASTER_", "SLURM_")
+# (pip's, for the pip a child may start; inductor's private ones, which a compile in the caller
+# sets; cuBLAS's, which deterministic mode sets)
+RUNTIME = ("GPTRAIN_", "PYTEST_", "WANDB_", "TORCHELASTIC_", "TORCH_NCCL_", "MASTER_", "SLURM_",
+           "PIP_", "_TORCHINDUCTOR_")  # fmt: skip
 RUNTIME_EXACT = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "PYTHON_EXEC",
                  "NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-                 "PYTHONUNBUFFERED", "TORCH_FR_BUFFER_SIZE", "WAIT_FOR_PORT"}  # fmt: skip
+                 "PYTHONUNBUFFERED", "TORCH_FR_BUFFER_SIZE", "WAIT_FOR_PORT",
+                 "CUBLAS_WORKSPACE_CONFIG"}  # fmt: skip
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.run",
            "torch.distributed.checkpoint", "matplotlib", "gptrain.__main__",
            "gptrain.commands.train", "gptrain.commands.prepare", "gptrain.commands.eval",
@@ -317,10 +322,20 @@ def _serve(path: str) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    try:  # gptrain's plots (logs/plot.py): their backend and pyplot (~0.5-1 s to import)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError:
+        pass
     # forking a process with Python threads is unsafe; numpy's OpenBLAS starts an OS thread of
     # its own, which it shuts down and restarts around fork (pthread_atfork)
     if threading.active_count() != 1:
         raise SystemExit(f"zygote: preloading started threads {threading.enumerate()}")
+    # the preloaded modules live as long as every child: the cyclic collector of a child skips
+    # them (a full collection over torch's objects takes ~0.3 s, and would write to every page)
+    gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
     # the workers' interpreter of children whose environment names none of its own
     os.environ["PYTHON_EXEC"] = _write_interpreter(path, digest)
