@@ -106,33 +106,30 @@ class NanoChatConfig:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """y = x * r, r = rsqrt(|x|^2 / C + eps), in float32, the sum of squares in one reduction;
+    """y = x * r, r = rsqrt(|x|^2 / C + eps) of a float32 x, the sum of squares in one reduction;
     its gradient in one expression, dx = g * r - y * (r * mean(g * y)), rather than autograd's
     walk back through pow, mean, rsqrt and two products (F.rms_norm is that composite on a CPU):
-    the same values to float32 rounding, fewer passes. Returns y in `dtype`."""
+    the same values to float32 rounding, fewer passes."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, dtype: torch.dtype) -> Tensor:
-        xf = x.float()
+    def forward(ctx, x: Tensor) -> Tensor:
         r = torch.rsqrt(
-            torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square() / x.size(-1) + NORM_EPS
+            torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.size(-1) + NORM_EPS
         )
-        y = xf * r
+        y = x * r
         ctx.save_for_backward(y, r)
-        ctx.x_dtype = x.dtype
-        return y.to(dtype)
+        return y
 
     @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx, g: Tensor) -> Tensor:
         y, r = ctx.saved_tensors
-        gf = g.float()
-        m = (gf * y).mean(-1, keepdim=True)
-        return torch.addcmul(gf * r, y, -(m * r)).to(ctx.x_dtype), None
+        m = (g * y).mean(-1, keepdim=True)
+        return torch.addcmul(g * r, y, -(m * r))
 
 
 def norm(x: Tensor) -> Tensor:
     """Parameter-free RMSNorm over the last dim, in float32, cast back to x's dtype."""
-    return _RMSNorm.apply(x, x.dtype)
+    return _RMSNorm.apply(x.float()).to(x.dtype)
 
 
 def norm_for_matmul(x: Tensor) -> Tensor:
@@ -140,7 +137,7 @@ def norm_for_matmul(x: Tensor) -> Tensor:
     each of the layers would make, made once (attention's three projections read it)."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return _RMSNorm.apply(x, dtype)
+    return _RMSNorm.apply(x.float()).to(dtype)
 
 
 def rotary(T: int, pos: int, head_dim: int, theta: float, device) -> tuple[Tensor, Tensor]:
