@@ -250,7 +250,8 @@ def test_hand_written_gradients_equal_autograd_of_the_plain_formulas(dtype):
     """The block's RMSNorm, rotary and ReLU² carry their own backward (fewer passes on a CPU):
     values and gradients equal autograd's of the plain formulas (torch's F.rms_norm in float32,
     HF's x * cos + rotate_half(x) * sin with its own tables, relu(x) ** 2); in float64 the
-    last two also pass gradcheck."""
+    last two also pass gradcheck, the rotary gradgradcheck, and the other two refuse a second
+    derivative (their backward reads values saved without their graph)."""
     from gptrain.model.nanochat import NORM_EPS, _ReluSquared, apply_rotary, norm, rotary
 
     torch.manual_seed(0)
@@ -281,3 +282,10 @@ def test_hand_written_gradients_equal_autograd_of_the_plain_formulas(dtype):
         torch.testing.assert_close(dgot, dwant, **tol)
         if dtype == torch.float64 and mine is not norm:
             assert torch.autograd.gradcheck(mine, (x,))
+        if dtype == torch.float64:  # a second derivative: right (the rotary is linear) or refused
+            if mine is cases[1][0]:
+                assert torch.autograd.gradgradcheck(mine, (x,))
+            else:
+                (d1,) = torch.autograd.grad(mine(x), x, g.requires_grad_(), create_graph=True)
+                with pytest.raises(RuntimeError, match="once_differentiable"):
+                    d1.sum().backward()

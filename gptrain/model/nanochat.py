@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from gptrain.model.attention import matmul_attention
 from gptrain.model.base import LanguageModel
@@ -123,15 +124,24 @@ class _RMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # r is saved without its graph: no second derivative
     def backward(ctx, g: Tensor) -> Tensor:
         y, r = ctx.saved_tensors
         m = (g * y).mean(-1, keepdim=True)
         return torch.addcmul(g * r, y, -(m * r))
 
 
+def _rms_norm(x: Tensor) -> Tensor:
+    """The float32 RMSNorm of float32 x: CUDA's fused kernel where torch has one (F.rms_norm),
+    the hand-written gradient elsewhere (F.rms_norm is a composite on a CPU)."""
+    if x.is_cuda:
+        return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
+    return _RMSNorm.apply(x)
+
+
 def norm(x: Tensor) -> Tensor:
     """Parameter-free RMSNorm over the last dim, in float32, cast back to x's dtype."""
-    return _RMSNorm.apply(x.float()).to(x.dtype)
+    return _rms_norm(x.float()).to(x.dtype)
 
 
 def norm_for_matmul(x: Tensor) -> Tensor:
@@ -139,7 +149,7 @@ def norm_for_matmul(x: Tensor) -> Tensor:
     each of the layers would make, made once (attention's three projections read it)."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return _RMSNorm.apply(x.float()).to(dtype)
+    return _rms_norm(x.float()).to(dtype)
 
 
 def rotary(T: int, pos: int, head_dim: int, theta: float, device) -> tuple[Tensor, Tensor]:
@@ -237,6 +247,7 @@ class _ReluSquared(torch.autograd.Function):
         return r.square()
 
     @staticmethod
+    @once_differentiable  # r is saved without its graph: no second derivative
     def backward(ctx, g: Tensor) -> Tensor:
         (r,) = ctx.saved_tensors
         return (g * r).mul_(2)
