@@ -7,8 +7,9 @@ under autocast, cast to the autocast dtype their Linear layers read). Attention:
 projections (grouped-query: n_kv_head key/value heads), rotary position embeddings (HF's
 rotate_half(x) = cat(x2, -x1) on the two halves of each head, theta = rope_theta), then an
 RMSNorm of q and k over the head dim, causal attention scaled by hs^-1/2, output projection.
-MLP: c_fc -> relu(x)^2 -> c_proj. No biases anywhere. The RMSNorm, the rotary embeddings and
-relu(x)^2 carry hand-written gradients (autograd.Function): the same values in fewer passes.
+MLP: c_fc -> relu(x)^2 -> c_proj. No biases anywhere. The RMSNorm (off CUDA, which has torch's
+fused kernel), the rotary embeddings and relu(x)^2 carry hand-written gradients
+(autograd.Function): the same values in fewer passes.
 
 The module names follow nanochat (`transformer.h.3.attn.c_q`, `mlp.c_fc`, `lm_head`), so code
 that walks `model.transformer.h` or calls `blocks()` serves GPT and NanoChat alike; the Hugging
