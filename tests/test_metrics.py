@@ -202,6 +202,19 @@ def test_bench_table_prints_the_peak_in_a_unit_that_fits():
     header, _, line = format_table([row]).splitlines()
     cells = dict(zip(header.split("|"), line.split("|"), strict=True))
     assert cells[" peak "].strip() == "2.4 GFLOP/s" and cells[" mfu "].strip() == "100.0%"
+    assert "peak_mem_mib" not in header  # a CPU row has no GPU memory to report
+
+
+def test_bench_table_shows_gpu_memory_only_where_a_row_measured_it():
+    from gptrain.commands.bench import format_table
+
+    row = dict(dtype="bfloat16", compile=True, world_size=1, micro_batch=64, accum=2)
+    row |= dict(step_ms=250.0, tok_per_s=524_288.0, peak_tflops=762.0, mfu=0.5)
+    header, _, gpu, cpu = format_table([{**row, "peak_mem_mib": 31027.4}, row]).splitlines()
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    assert cols[-1] == "peak_mem_mib"
+    assert gpu.strip("|").split("|")[-1].strip() == "31,027"
+    assert cpu.strip("|").split("|")[-1].strip() == ""
 
 
 def test_format_duration():

@@ -5,6 +5,8 @@
     gptrain bench --config configs/gpt2_124m.toml --train.total_batch_size=65536 --json rows.json
     torchrun --nproc_per_node=2 -m gptrain bench --config configs/bench.toml --train.total_batch_size=65536
 
+On a GPU each row also gives its peak memory (torch.cuda.max_memory_allocated, MiB): the
+model, its optimizer state and the activations of the timed steps.
 MFU's peak is MEASURED in the same run on this device (matmuls in the training dtype, see
 gptrain/logs/mfu.py), never looked up by name; a row that achieves more raises it with a warning,
 so MFU never exceeds 100%. Under torchrun the numbers are global, and the step is timed a second
@@ -36,6 +38,9 @@ def bench_one(
     """Time `steps` optimizer steps (after `warmup`) of cfg's model on random tokens."""
     t = cfg.train
     vocab = VOCAB.get(cfg.data.tokenizer, 50257)
+    cuda = torch.device(info.device).type == "cuda"
+    if cuda:  # each row's own peak: the model, its optimizer state and the steps' activations
+        torch.cuda.reset_peak_memory_stats(info.device)
     built = build_training(cfg, info, vocab, dtype, compile)
     model, wrapped, optimizer, ptdtype, autocast, scaler = built
     mb, accum = batch.resolve(t, info, wrapped, model, autocast, vocab)
@@ -91,6 +96,8 @@ def bench_one(
         "peak_tflops": peaks[key] / 1e12,
         "mfu": mfu,
     }
+    if cuda:
+        row["peak_mem_mib"] = torch.cuda.max_memory_allocated(info.device) / 2**20
     if info.world_size > 1 and cfg.dist.mode == "ddp":  # the same steps without communication
         row["comm_share"] = max(0.0, 1 - timed(steps, sync=False) / step_s)
     return row
@@ -108,13 +115,13 @@ def format_table(rows: list[dict]) -> str:
         "peak",
         "mfu",
     ]
-    if any("comm_share" in r for r in rows):
-        cols.append("comm_share")
+    cols += [c for c in ("peak_mem_mib", "comm_share") if any(c in r for r in rows)]
     fmt = {
         "step_ms": "{:.1f}",
         "tok_per_s": "{:,.0f}",
         "mfu": "{:.1%}",
         "comm_share": "{:.1%}",
+        "peak_mem_mib": "{:,.0f}",
     }
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
