@@ -313,6 +313,21 @@ def as_python(path: str, digest: str) -> None:
 # --- the zygote (runs as `python tests/forked.py serve SOCKET`) ------------------------------
 
 
+def _prime_inspect() -> None:
+    """torch's elastic agent names each rendezvous event by `inspect.stack()`, which looks every
+    frame's file up among the loaded modules; a file that is no module's (the stdlib's frozen
+    runpy, this file once a child's __main__ replaces it) makes each lookup scan all ~1,300
+    preloaded modules: ~0.5 s of CPU an agent. One scan here fills inspect's cache, those files
+    included, so that a child's lookups are dictionary hits."""
+    import inspect
+
+    sys.modules["_forked_zygote"] = sys.modules["__main__"]
+    inspect.getmodule(sys._getframe())  # fills inspect.modulesbyfile from every loaded module
+    for name, module in list(sys.modules.items()):
+        if getattr(getattr(module, "__spec__", None), "origin", None) == "frozen":
+            inspect.modulesbyfile[f"<frozen {name}>"] = name
+
+
 def _serve(path: str) -> None:
     import importlib
 
@@ -322,13 +337,12 @@ def _serve(path: str) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    try:  # gptrain's plots (logs/plot.py): their backend and pyplot (~0.5-1 s to import)
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot  # noqa: F401
+    try:  # gptrain's plots (logs/plot.py): a Figure and the Agg canvas (~0.5-1 s to import)
+        import matplotlib.backends.backend_agg  # noqa: F401
+        import matplotlib.figure  # noqa: F401
     except ImportError:
         pass
+    _prime_inspect()
     # forking a process with Python threads is unsafe; numpy's OpenBLAS starts an OS thread of
     # its own, which it shuts down and restarts around fork (pthread_atfork)
     if threading.active_count() != 1:
@@ -395,6 +409,7 @@ def _monitor(conn, req, fds) -> None:
 
 
 def _child(req, fds, ready: int) -> None:
+    import inspect
     import runpy
     import traceback
     import types
@@ -433,6 +448,7 @@ def _child(req, fds, ready: int) -> None:
             sys.path[0] = ""
             main = types.ModuleType("__main__")
             sys.modules["__main__"] = main
+            inspect.modulesbyfile["<string>"] = "__main__"  # as _prime_inspect: no rescans
             exec(compile(argv[1], "<string>", "exec"), main.__dict__)
         else:
             sys.argv = argv

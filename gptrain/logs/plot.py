@@ -32,10 +32,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write loss.png (train and val loss against tokens seen; HellaSwag accuracy in a second
     panel when the run scored it); returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure and its Agg canvas, no pyplot: nothing global to set up, close or leak
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     rows = read_metrics(run_dir)
     out = Path(out or Path(run_dir) / "loss.png")
@@ -45,7 +44,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         if "hellaswag_acc_norm" in r
     ]
     if hella:
-        fig, (ax, hx) = plt.subplots(1, 2, figsize=(13, 5))
+        fig = Figure(figsize=(13, 5))
+        ax, hx = fig.subplots(1, 2)
         tokens, acc, acc_norm = zip(*hella, strict=True)
         hx.plot(tokens, acc_norm, "o-", label="HellaSwag acc_norm")
         hx.plot(tokens, acc, "s--", label="HellaSwag acc")
@@ -55,7 +55,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         hx.grid(alpha=0.3)
         hx.legend()
     else:
-        fig, ax = plt.subplots(figsize=(8, 5))
+        fig = Figure(figsize=(8, 5))
+        ax = fig.subplots()
     train = [(r["tokens"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
     if train:
@@ -67,9 +68,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.set_title(Path(run_dir).name)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
+    # fixed margins that fit the labels: one draw, where a computed (tight) layout draws twice
+    w = fig.get_figwidth()
+    fig.subplots_adjust(left=0.8 / w, right=1 - 0.2 / w, bottom=0.11, top=0.93, wspace=0.18)
     tmp = out.with_suffix(".tmp.png")
+    FigureCanvasAgg(fig)  # the figure's canvas: PNG through Agg
     fig.savefig(tmp, dpi=100)
-    plt.close(fig)
     tmp.replace(out)
     return out

@@ -174,13 +174,13 @@ def plot_race(race: dict, path: str | Path) -> Path:
     """race.png: val loss against tokens and against training seconds; each run a thin line,
     each config's mean a thick one, the target dashed."""
     import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     path = Path(path)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = Figure(figsize=(13, 5))  # and its Agg canvas below, no pyplot (as logs/plot.py)
+    axes = fig.subplots(1, 2)
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, c in enumerate(race["configs"]):
         color = colors[i % len(colors)]
         runs = [r for r in race["runs"] if r["config"] == c["label"] and r["status"] == "done"]
@@ -206,9 +206,9 @@ def plot_race(race: dict, path: str | Path) -> Path:
     if later:  # the untrained model's loss (step 0) would squeeze the rest of the curves
         for ax in axes:
             ax.set_ylim(top=max(later) + 0.05 * (max(later) - min(later) + 1e-9))
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.11, top=0.97, wspace=0.18)  # one draw
     tmp = path.with_suffix(".tmp.png")
+    FigureCanvasAgg(fig)
     fig.savefig(tmp, dpi=100)
-    plt.close(fig)
     tmp.replace(path)
     return path
