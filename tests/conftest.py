@@ -1,10 +1,15 @@
 """Shared fixtures: the verified test data beside the checkout, and a prepared byte-level corpus."""
 
+import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+# the commands tests start with this process's own environment import gptrain from this checkout,
+# as those started with dist_helpers.env() do: one environment, so one zygote (tests/forked.py)
+os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"

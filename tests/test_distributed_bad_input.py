@@ -51,7 +51,7 @@ def test_bad_input_logger_that_cannot_start_stops_every_rank(byte_data, tmp_path
     """W&B without a login fails on rank 0 only (the one that logs): every rank exits 2 at once."""
     pytest.importorskip("wandb", reason="wandb not installed")
     args = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={tmp_path / 'r'}", "--log.wandb=proj"]  # fmt: skip
-    home = dict(HOME=tmp_path / "home", WANDB_CONFIG_DIR=tmp_path / "wandb", WANDB_MODE="online")
+    home = dict(NETRC=tmp_path / "netrc", WANDB_CONFIG_DIR=tmp_path / "wandb", WANDB_MODE="online")
     results = h.wait_all(h.spawn(args, WANDB_API_KEY="", **home), h.TIMEOUT)
     one_line_errors(results[:1], "log.wandb = 'proj': W&B did not start")
     one_line_errors(results[1:], "another rank failed")

@@ -224,7 +224,8 @@ def test_wandb_that_cannot_start_is_one_line_exit_2(byte_data, tmp_path):
     """Not logged in (a fresh process: wandb keeps its settings per process)."""
     pytest.importorskip("wandb", reason="wandb not installed")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env |= {"HOME": str(tmp_path / "home"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
+    # no credentials: no .netrc (NETRC names one that does not exist), no settings folder
+    env |= {"NETRC": str(tmp_path / "netrc"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
     run_dir = tmp_path / "run"
     args = ["--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
     args.append("--log.wandb=proj")
