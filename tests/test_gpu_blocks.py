@@ -24,7 +24,7 @@ def rows(text: str) -> list[list[str]]:
 def test_the_dry_run_benches_and_races_both_blocks_on_the_same_tokens(
     byte_data, tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.setattr(gpu_blocks, "run_command", forked.run)
+    monkeypatch.setattr(gpu_blocks.gpu_recipe, "run_command", forked.run)
     out = tmp_path / "blocks"
     argv = ["--dry-run", "--out", str(out), "--data", str(byte_data), "--steps", str(STEPS)]
     assert gpu_blocks.main(argv) == 0
@@ -43,7 +43,7 @@ def test_the_dry_run_benches_and_races_both_blocks_on_the_same_tokens(
     tokens = {r["tokens"] for r in result["race"]}
     assert len(tokens) == 1 and len(result["race"]) == 2  # the same tokens for both blocks
     done = {p: p.read_text() for p in [*out.glob("race_*/attempts.jsonl"), *out.glob("bench_*")]}
-    monkeypatch.setattr(gpu_blocks, "run_command", None)  # nothing may start
+    monkeypatch.setattr(gpu_blocks.gpu_recipe, "run_command", None)  # nothing may start
     assert gpu_blocks.main(argv) == 0
     assert {p: p.read_text() for p in done} == done
 
@@ -54,7 +54,7 @@ def test_nanogpt_speed_is_read_from_its_own_iteration_lines(tmp_path, monkeypatc
     times = [900.0, 500.0, 40.0, 60.0, 50.0, 50.0]  # compilation first, then steady
     lines = [f"print('iter {i}: loss 4.2, time {t}ms, mfu 1.00%')" for i, t in enumerate(times)]
     (tmp_path / "train.py").write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr(gpu_blocks, "run_command", forked.run)
+    monkeypatch.setattr(gpu_blocks.gpu_recipe, "run_command", forked.run)
     got = gpu_blocks.nanogpt(tmp_path, tmp_path, dry=True)
     assert got["iterations_timed"] == 3 and abs(got["step_ms"] - 160 / 3) < 1e-9
     assert abs(got["tok_per_s"] - 4 * 64 * 2 / (160 / 3 / 1e3)) < 1e-6

@@ -17,7 +17,7 @@ import gpu_study  # noqa: E402
 def test_the_dry_run_tunes_the_baseline_at_the_cell_and_races_the_ladder(
     tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.setattr(gpu_study, "run_command", forked.run)
+    monkeypatch.setattr(gpu_study.gpu_recipe, "run_command", forked.run)
     out = tmp_path / "study"
     assert gpu_study.main(["--dry-run", "--out", str(out)]) == 0
     tuned = json.loads((out / "tuned.json").read_text())

@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_recipe  # noqa: E402  (its data preparation: the machine's Python sources)
+import gpu_recipe  # noqa: E402  (its runner; its data: the machine's Python sources)
 
-run_command = subprocess.run  # how commands start (tests swap in tests/forked.py's)
 REPO = Path(__file__).resolve().parents[2]
 BLOCKS = {"gpt2": "configs/gpt2_124m.toml", "nanochat": "configs/nanochat_124m.toml"}
 BATCH = 131072  # tokens per step: 2 micro-batches of 64 x 1024
@@ -45,13 +42,7 @@ NANOGPT_RUNNER = (
 
 
 def run(cmd: list[str], cwd: Path = REPO) -> str:
-    """A command's stdout; its output's end, and a stop, when it fails."""
-    print(f"gpu_blocks: {' '.join(cmd[1:8])} ...", file=sys.stderr, flush=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = run_command(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"gpu_blocks: failed: {' '.join(cmd)}\n{(done.stdout + done.stderr)[-3000:]}")  # fmt: skip
-    return done.stdout
+    return gpu_recipe.command(cmd, "gpu_blocks", cwd)
 
 
 def shapes(dry: bool) -> list[str]:

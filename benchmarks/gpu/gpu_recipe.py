@@ -61,14 +61,20 @@ def prepare(out: Path, dry: bool) -> Path:
     return data
 
 
-def gptrain(args: list[str]) -> None:
-    """One gptrain command; its output kept, and shown (its end) when it fails."""
-    cmd = [sys.executable, "-m", "gptrain", *args]
-    print(f"gpu_recipe: {' '.join(args[:1] + args[-6:])} ...", file=sys.stderr, flush=True)
+def command(cmd: list[str], who: str = "gpu_recipe", cwd: Path = REPO) -> str:
+    """One command (the GPU scripts' shared runner): its stdout; its output's end, and a stop, when
+    it fails. `who` names the script in its lines."""
+    print(f"{who}: {' '.join(cmd[1:4] + cmd[-6:])} ...", file=sys.stderr, flush=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = run_command(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    done = run_command(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"gpu_recipe: failed: {' '.join(cmd)}\n{(done.stdout + done.stderr)[-3000:]}")  # fmt: skip
+        raise SystemExit(f"{who}: failed: {' '.join(cmd)}\n{(done.stdout + done.stderr)[-3000:]}")  # fmt: skip
+    return done.stdout
+
+
+def gptrain(args: list[str], who: str = "gpu_recipe") -> str:
+    """One gptrain command; its output kept, and shown (its end) when it fails."""
+    return command([sys.executable, "-m", "gptrain", *args], who)
 
 
 def overrides(dry: bool) -> list[str]:

@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_recipe  # noqa: E402  (the machine's Python sources, in a fixed order)
+import gpu_recipe  # noqa: E402  (its runner; the machine's Python sources in a fixed order)
 
-run_command = subprocess.run  # how commands start (tests swap in tests/forked.py's)
 REPO = Path(__file__).resolve().parents[2]
 N_LAYER, N_EMBD, N_HEAD = 6, 256, 4
 BLOCK_PARAMS = N_LAYER * (12 * N_EMBD * N_EMBD + 13 * N_EMBD)  # weights and biases of the blocks
@@ -48,13 +45,7 @@ BEST = {  # studies/deciding/tuning/code-large-1x/tune.json: each arm's best poi
 
 
 def gptrain(args: list[str]) -> str:
-    cmd = [sys.executable, "-m", "gptrain", *args]
-    print(f"gpu_study: {' '.join(args[:3])} ...", file=sys.stderr, flush=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = run_command(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"gpu_study: failed: {' '.join(cmd)}\n{(done.stdout + done.stderr)[-3000:]}")  # fmt: skip
-    return done.stdout
+    return gpu_recipe.gptrain(args, "gpu_study")
 
 
 def prepare(out: Path, tokens: int) -> Path:
