@@ -36,9 +36,9 @@ N_LAYER, N_EMBD, N_HEAD = 6, 256, 4
 BLOCK_PARAMS = N_LAYER * (12 * N_EMBD * N_EMBD + 13 * N_EMBD)  # weights and biases of the blocks
 BATCH = 131072
 WIDTH_RATIO = 96 / N_EMBD  # the tuned cell's width over this one's
-BEST = {  # studies/deciding/tuning/code-large-1x/tune.json: each arm's best point
+BEST = {  # studies/deciding/tuning/code-large-1x: each arm's best trial (warmup: a share of T)
     "baseline": ("configs/study_baseline.toml", {"optim.lr": 8e-3, "optim.min_lr": 8e-4,
-                 "optim.weight_decay": 0.1, "optim.beta2": 0.95}, 0.15),
+                 "optim.weight_decay": 0.1, "optim.beta2": 0.95}, 0.2),
     "recipe": ("configs/study_recipe.toml", {"optim.muon_lr": 0.01, "optim.lr": 4e-3,
                "optim.decay_fraction": 0.2}, None),
 }  # fmt: skip
