@@ -38,10 +38,26 @@ FAST = [
 ]
 
 
+# Ports for rendezvous come from a block of this pytest worker's own, below Linux's ephemeral
+# range (32768-60999): a port the kernel handed out (bind to 0, a client connection) can be
+# handed to another test before its rank 0 listens there, and two jobs on one port hang.
+_PORT_BLOCK = 1000
+_next_port = [0]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 20000 + (_PORT_BLOCK * (int(worker) if worker.isdigit() else 0)) % 12000
+    for _ in range(_PORT_BLOCK):
+        port = base + _next_port[0] % _PORT_BLOCK
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or lingering from an earlier test
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + _PORT_BLOCK - 1}")
 
 
 def env(**extra) -> dict:
@@ -101,7 +117,18 @@ def wait_all(procs, timeout: float = 120) -> list[tuple[int, str, str]]:
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        raise
+        told = []
+        for rank, p in enumerate(procs):
+            try:
+                o, e = p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # a child of it still holds the pipes
+                o, e = "(still open)", "(still open)"
+            told.append(
+                f"--- process {rank} stdout\n{(o or '')[-2000:]}\n--- stderr\n{(e or '')[-2000:]}"
+            )
+        raise AssertionError(
+            f"still running after {timeout} s, killed:\n" + "\n".join(told)
+        ) from None
     return out
 
 
