@@ -11,6 +11,7 @@ Used two ways:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -42,15 +43,14 @@ FAST = [
 # range (32768-60999): a port the kernel handed out (bind to 0, a client connection) can be
 # handed to another test before its rank 0 listens there, and two jobs on one port hang.
 _PORT_BLOCK = 1000
-_next_port = [0]
+_ports = itertools.count()
 
 
 def free_port() -> int:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     base = 20000 + (_PORT_BLOCK * (int(worker) if worker.isdigit() else 0)) % 12000
     for _ in range(_PORT_BLOCK):
-        port = base + _next_port[0] % _PORT_BLOCK
-        _next_port[0] += 1
+        port = base + next(_ports) % _PORT_BLOCK
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
