@@ -293,14 +293,27 @@ def as_python(path: str, digest: str) -> None:
         except ProcessLookupError:  # it has ended; its status is on its way
             pass
 
+    # a signal that lands between Python's last check and a blocking recv would wait for the
+    # recv (here: for the worker's end, which it was meant to cause); its byte on the wakeup
+    # pipe ends the select instead, and the handler runs right after
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+
+    def receive(conn) -> bytes:
+        while conn not in select.select([conn, wake_r], [], [])[0]:
+            os.read(wake_r, 512)
+        return conn.recv(64)
+
     ignored = _ignored()  # the worker starts ignoring them too; it may handle them later
     for sig in PASSED_ON:
         signal.signal(sig, pass_on)
     conn = _start(path, argv, dict(os.environ), None, [0, 1, 2], True, True, ignored)
-    worker.append(int(conn.recv(64)))
+    worker.append(int(receive(conn)))
     for sig in pending:
         pass_on(sig, None)
-    msg = conn.recv(64)
+    msg = receive(conn)
     code = int(msg) if msg else -signal.SIGKILL
     if code < 0:  # ended by a signal: end by the same one
         for sig in PASSED_ON:
