@@ -27,7 +27,10 @@ def write_lock(folder: Path, **fields) -> None:
     holder |= {"started": now - 100, "heartbeat": now, "boot": lock._boot_id(), "token": "t"}
     holder |= {"beats": 0, "mono": lock._monotonic()}
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / ".lock").write_text(json.dumps(holder | fields))
+    # replaced whole, as another job writes it: a heartbeat never reads it half-written
+    tmp = folder / ".lock.test-tmp"
+    tmp.write_text(json.dumps(holder | fields))
+    os.replace(tmp, folder / ".lock")
 
 
 def dead_pid() -> int:
