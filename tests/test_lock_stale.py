@@ -57,8 +57,10 @@ def holder(**fields) -> dict:
 
 
 def write(folder, content: dict) -> None:
+    """The lock replaced whole, as another job writes it (never read half-written)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / ".lock").write_text(json.dumps(content))
+    (folder / ".lock.test-tmp").write_text(json.dumps(content))
+    os.replace(folder / ".lock.test-tmp", folder / ".lock")
 
 
 def beating(folder, clock: Clock, content: dict) -> None:
