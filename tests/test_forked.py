@@ -85,10 +85,14 @@ def test_a_sigint_its_caller_ignores_is_ignored_as_by_a_fresh_process():
                 assert p.wait(timeout=30) == (-signal.SIGKILL if ignored else -signal.SIGINT)
 
 
+# A Python handler runs when the main thread next checks for signals: a signal that lands after
+# the last check before a long sleep waits for the sleep's end, in a fresh interpreter too. Short
+# sleeps bound that wait; a signal that never arrives still ends in the test's time-out.
 WORKER = """import os, signal, sys, time
 signal.signal(signal.SIGUSR1, lambda *_: sys.exit(5))
 print(os.getpid(), "torch" in sys.modules, flush=True)
-time.sleep(60)
+for _ in range(1200):
+    time.sleep(0.05)
 """
 
 
