@@ -42,7 +42,8 @@ def test_code_and_script_give_what_a_fresh_interpreter_gives(tmp_path):
     assert "unknown command 'fly'" in fork.stderr
 
 
-SLEEPER = [sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(60)"]
+# short sleeps: see WORKER below
+SLEEPER = [sys.executable, "-c", "import time\nprint('up', flush=True)\nfor _ in range(1200):\n    time.sleep(0.05)"]  # fmt: skip
 
 
 @contextlib.contextmanager
