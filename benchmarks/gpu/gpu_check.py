@@ -19,8 +19,9 @@ Rows (each a real `gptrain` command, started the way a user starts it):
      measured, rule or cached; training/choices.py)
   2. DDP and FSDP2 on all GPUs of the node: the final loss equals the 1-GPU run's within bf16
      tolerance (the same global batches, see docs/distributed.md)
-  3. kill and resume, with `train.deterministic = true`: an FSDP2 run killed (SIGKILL) after its
-     first checkpoint and started again ends with the weights of the same run uninterrupted, bit
+  3. kill and resume, with `train.deterministic = true`: an FSDP2 run killed (SIGKILL to the
+     launcher and every worker, as a node failure) after its first checkpoint and started again
+     resumes from that checkpoint and ends with the weights of the same run uninterrupted, bit
      for bit. Where it does not, the uninterrupted run is trained once more and the resume must
      be no further from it than that second run is (at most 2x: kernels that add in a varying
      order, such as atomics, make two identical runs differ: 5.4e-3 on an H100
@@ -47,6 +48,7 @@ parameters); the architecture is GPT-2's. Row 0 needs no data.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -180,8 +182,7 @@ class Check:
             run_dir = Path(next(o for o in overrides if o.startswith("run.dir=")).split("=", 1)[1])
             while proc.poll() is None and not (run_dir / "checkpoints" / "latest").is_file():
                 time.sleep(0.2)
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a node failure would
-            proc.wait()
+            kill_job(proc)
             return {}
         log, _ = proc.communicate(timeout=3600)
         if proc.returncode != 0:
@@ -343,6 +344,10 @@ class Check:
         self.train("resume_cut", n, cut, kill_after_ckpt=True)
         killed_at = checkpoint.latest(self.work / "resume_cut").name
         self.train("resume_cut", n, cut)
+        attempts = (self.work / "resume_cut" / "attempts.jsonl").read_text().splitlines()
+        start = [e for e in map(json.loads, attempts) if e["event"] == "start"][-1]
+        if start["last_checkpoint"] != killed_at:  # the killed job went on after its kill
+            raise SystemExit(f"the job killed after {killed_at} wrote {start['last_checkpoint']} after its kill; the resume started there")  # fmt: skip
         return killed_at, self.weight_diff("exact", "resume_cut")
 
     def weight_diff(self, a: str, b: str) -> float:
@@ -363,6 +368,34 @@ class Check:
         lines = [f"gpu_check: {name}", "", "| check | result | | time |", "|---|---|---|---:|"]
         lines += [f"| {' | '.join(row)} |" for row in self.rows]
         return "\n".join(lines)
+
+
+def kill_job(proc) -> None:
+    """SIGKILL the whole job, as a node failure would: the launcher and every process below it
+    (torch's launcher starts each worker in a session of its own, so its process group alone
+    would leave the workers training on, and writing checkpoints, after the "kill")."""
+    tree, todo = [], [proc.pid]
+    os.kill(proc.pid, signal.SIGSTOP)  # no new worker while the tree is read
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in children.read_text().split()]
+                tree, todo = tree + kids, todo + kids
+    for pid in (proc.pid, *tree):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(map(running, tree)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (one killed, not reaped yet, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def speed_choices(summary: dict) -> str:
