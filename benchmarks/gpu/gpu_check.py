@@ -375,7 +375,8 @@ def kill_job(proc) -> None:
     (torch's launcher starts each worker in a session of its own, so its process group alone
     would leave the workers training on, and writing checkpoints, after the "kill")."""
     tree, todo = [], [proc.pid]
-    os.kill(proc.pid, signal.SIGSTOP)  # no new worker while the tree is read
+    with contextlib.suppress(ProcessLookupError):  # it may have ended on its own
+        os.kill(proc.pid, signal.SIGSTOP)  # no new worker while the tree is read
     while todo:
         for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
             with contextlib.suppress(OSError):
