@@ -102,6 +102,32 @@ def test_only_a_finished_run_of_the_same_config_into_a_new_folder_is_copied(
     assert not fresh.exists()
 
 
+def test_a_run_that_left_a_speed_choice_to_auto_is_the_run_pinned_to_what_it_chose(
+    byte_data, tmp_path, capsys
+):
+    """A kept run trained with train.dtype, attention and loss = auto is copied where the study
+    now pins them to the values it chose, and only there: a run given those values trains the
+    same losses, bit for bit; pinned to another dtype, it is not copied."""
+    auto = ["train.dtype=auto", "train.attention=auto", "train.loss=auto"]
+    source = tmp_path / "kept" / "seed_2"
+    train(byte_data, source, capsys, *auto)
+    chose = json.loads((source / "summary.json").read_text())["speed_choices"]
+    pinned = [f"train.{k}={chose[k]}" for k in ("dtype", "attention", "loss")]
+    again = tmp_path / "pinned" / "seed_2"
+    train(byte_data, again, capsys, *pinned)
+    losses = [
+        [json.loads(line).get("loss") for line in (d / "metrics.jsonl").read_text().splitlines()]
+        for d in (source, again)
+    ]
+    assert losses[0] == losses[1]
+    other = "float32" if chose["dtype"] != "float32" else "bfloat16"
+    dest = tmp_path / "copy" / "seed_2"
+    wrong = [o for o in pinned if not o.startswith("train.dtype=")] + [f"train.dtype={other}"]
+    assert not study_reuse.copy_finished(source, dest, config_text(byte_data, dest, *wrong))
+    assert study_reuse.copy_finished(source, dest, config_text(byte_data, dest, *pinned))
+    assert "already trained to step 4" in train(byte_data, dest, capsys, *pinned)
+
+
 def test_a_cells_later_races_copy_exactly_the_runs_their_plans_repeat(tmp_path):
     """The cell's configs as study.py writes them; each race planned by gptrain race itself
     (race_plan.plan: the texts its runs train from); the earlier races' runs finished with the

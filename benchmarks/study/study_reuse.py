@@ -9,13 +9,15 @@ and nanochat_adamw's race on the baseline's ladder has every rung of the baselin
 the same config and seed in two folders, so the same run bit for bit. `copy_finished` copies the
 earlier race's finished run into the later race's folder before that race starts, so the race
 finds it finished and does not start it. It copies only a run that has finished (its
-summary.json) and whose config.toml equals the one the later race would train but for run.dir;
+summary.json) and whose config.toml equals the one the later race would train but for run.dir
+(a speed choice it left to `auto` counting as the value it chose, which the study now pins);
 the copy is made beside the destination and renamed into place (a stop mid-copy leaves no half
 folder), and its config.toml names its own folder. A destination that exists is never touched.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tomllib
 from pathlib import Path
@@ -49,9 +51,17 @@ def twin(run_dir: Path, ladders: dict[str, list[float]]) -> Path | None:
     return None
 
 
-def _same_but_folder(saved: str, expected: str) -> bool:
+# the speed choices a run may leave to `auto`, as (section, key) and summary.json's name of it
+CHOICES = {("train", "dtype"): "dtype", ("train", "attention"): "attention",
+           ("train", "loss"): "loss", ("optim", "muon_dtype"): "muon_dtype"}  # fmt: skip
+
+
+def _same_but_folder(saved: str, expected: str, chose: dict | None = None) -> bool:
     """Whether a run's saved config (to_toml's text, perhaps of an older gptrain: keys added
-    since take their defaults) equals the expected one but for run.dir."""
+    since take their defaults) equals the expected one but for run.dir. A speed choice the saved
+    run left to `auto` equals the expected value it chose (`chose`: its summary.json's
+    speed_choices; a choice it records as None had no use in it, as muon_dtype without Muon):
+    the run trained exactly as one given that value."""
     again = resolved_again(saved)
     if again is None:
         return False
@@ -61,6 +71,11 @@ def _same_but_folder(saved: str, expected: str) -> bool:
         return False
     for config in (x, y):
         config.get("run", {}).pop("dir", None)
+    for (section, key), name in CHOICES.items():
+        ran, want = x.get(section, {}), y.get(section, {})
+        if ran.get(key) == "auto" and chose and name in chose and want.get(key) != "auto":
+            if chose[name] in (None, want.get(key)):
+                ran[key] = want.get(key)
     return x == y
 
 
@@ -71,9 +86,10 @@ def copy_finished(source: Path, dest: Path, expected: str) -> bool:
         return False
     try:
         saved = (source / "config.toml").read_text()
-    except OSError:
+        chose = json.loads((source / "summary.json").read_text()).get("speed_choices")
+    except (OSError, ValueError):
         return False
-    if not _same_but_folder(saved, expected):
+    if not _same_but_folder(saved, expected, chose if isinstance(chose, dict) else None):
         return False
     part = dest.with_name(f".{dest.name}.copying")
     shutil.rmtree(part, ignore_errors=True)  # a copy cut short by a stop
