@@ -236,11 +236,11 @@ def test_torch_compile_matches_eager_and_keeps_clean_state_dict_keys():
 @pytest.mark.slow
 def test_torch_compile_inductor_matches_eager():
     """Real code generation of the hand-written attention, as the model calls it under bf16
-    autocast (strided q, k, v views of one projection's output): the same
-    output and gradients as eager (to kernel rounding). The attention alone is compiled: about
-    a third of the whole model's code generation time on a CPU; the model's own inductor graphs
-    are trained against eager by tests/test_train.py's compiled run, and traced with this
-    attention without graph breaks by the aot_eager test above."""
+    autocast (strided q, k, v views of one projection's output): the same output and gradients
+    as eager (to kernel rounding). The attention alone is compiled: about a third of the whole
+    model's code generation time on a CPU; the model's own inductor graphs are trained against
+    eager by tests/test_train.py's compiled run, and traced with this attention without graph
+    breaks by the aot_eager test above."""
     torch.compiler.reset()
     B, T, nh, hs = 2, 16, 2, 16
     g = torch.Generator().manual_seed(1)
@@ -260,10 +260,11 @@ def test_torch_compile_inductor_matches_eager():
         y.float().square().sum().backward()
         results.append((y.detach().float(), xs.grad, ws.grad))
     (y0, *grads0), (y1, *grads1) = results
-    torch.testing.assert_close(y1, y0, rtol=1e-2, atol=1e-2)
-    for name, a, b in zip(("x", "w"), grads0, grads1, strict=True):
+    # bf16 products: each tensor compared relative to its own scale; the output as closely as
+    # the whole model's loss was, the gradients as closely as its gradients
+    for name, a, b, bound in zip(("output", "x", "w"), (y0, *grads0), (y1, *grads1), (1e-3, 5e-3, 5e-3), strict=True):  # fmt: skip
         err = (b - a).norm() / a.norm()
-        assert err < 5e-3, f"{name}: compiled gradient differs from eager by {err:.4f} (relative)"
+        assert err < bound, f"{name}: compiled differs from eager by {err:.5f} (relative)"
 
 
 def test_gradient_accumulation_equals_full_batch():

@@ -25,7 +25,7 @@ class Size:
     n_layer: int
     n_embd: int
     n_head: int
-    dtype: str  # train.dtype and train.attention, pinned: see CHOICES
+    dtype: str  # train.dtype and train.attention, pinned: see PINNED
     attention: str
 
     @property
@@ -37,15 +37,15 @@ class Size:
     def overrides(self) -> list[str]:
         return [f"model.n_layer={self.n_layer}", f"model.n_embd={self.n_embd}",
                 f"model.n_head={self.n_head}", f"train.dtype={self.dtype}",
-                f"train.attention={self.attention}", *CHOICES]  # fmt: skip
+                f"train.attention={self.attention}", *PINNED]  # fmt: skip
 
 
 # Every run of a size trains with the same numerics on every machine: `auto` would time the
 # choices on each run's CPU, and a cell tuned or raced across machines (or under load: a timing
 # can flip between near-equal choices) would mix float32 and bf16 runs. The values are what auto
 # picked on an idle Intel Xeon with AMX (large: bf16 autocast and the matmul attention, 1.2x
-# float32's speed; small: float32 and SDPA, within 10% of bf16 there and native on every tier).
-CHOICES = ("train.loss=chunked", "optim.muon_dtype=float32")
+# float32's speed; small: float32 and SDPA, within 12% of bf16 there and native on every tier).
+PINNED = ("train.loss=chunked", "optim.muon_dtype=float32")
 SIZES = {
     "small": Size("small", 4, 64, 4, "float32", "sdpa"),
     "large": Size("large", 4, 96, 6, "bfloat16", "matmul"),

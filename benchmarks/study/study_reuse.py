@@ -10,7 +10,7 @@ the same config and seed in two folders, so the same run bit for bit. `copy_fini
 earlier race's finished run into the later race's folder before that race starts, so the race
 finds it finished and does not start it. It copies only a run that has finished (its
 summary.json) and whose config.toml equals the one the later race would train but for run.dir
-(a speed choice it left to `auto` counting as the value it chose, which the study now pins);
+(a speed choice it left to `auto` counting as the value it chose: the study pins them);
 the copy is made beside the destination and renamed into place (a stop mid-copy leaves no half
 folder), and its config.toml names its own folder. A destination that exists is never touched.
 """
