@@ -26,8 +26,10 @@ DEBUG = str(REPO / "configs" / "debug.toml")
 LINEARS = ((768, 768), (768, 2304), (768, 3072), (3072, 768))
 GPT2 = Shapes(16, 1024, 12, 768, 12, linears=LINEARS)
 REAL_TORCHAO_VERSION = fp8.torchao_version
+# a string condition: evaluated when a marked test starts, so collecting this file (in every
+# pytest worker) does not import torchao (seconds on a CPU)
 needs_torchao = pytest.mark.skipif(
-    fp8.torchao_version() is None, reason="torchao is not installed (pip install 'gptrain[fp8]')"
+    "REAL_TORCHAO_VERSION() is None", reason="torchao is not installed (pip install 'gptrain[fp8]')"
 )
 
 

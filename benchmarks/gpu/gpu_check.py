@@ -156,6 +156,9 @@ class Check:
     def overrides(self, run: str, model: str, steps: int, *extra: str) -> list[str]:
         if self.dry:  # tiny: the script's own logic, in seconds on a CPU
             size = ["model.preset=tiny", "train.seq_len=64", "train.micro_batch_size=4", "train.total_batch_size=1024", "train.dtype=float32"]  # fmt: skip
+            # the final evaluation and sample short: under FSDP2 on gloo each forward gathers
+            # the weights, so a whole val split and a 200-token sample take seconds a run
+            size += ["eval.tokens=1024", "eval.sample_tokens=4"]
         else:
             size = [f"model.preset={model}", "train.seq_len=1024", "train.micro_batch_size=16", f"train.total_batch_size={16 * 1024 * self.gpus * 2}", "train.dtype=auto"]  # fmt: skip
         return [
