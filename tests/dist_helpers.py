@@ -11,9 +11,11 @@ Used two ways:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -62,7 +64,10 @@ def free_port() -> int:
 
 def env(**extra) -> dict:
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    # faulthandler: a process that wait_all gives up on prints every thread's stack (SIGABRT)
+    e.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1"
+    )
     e.update({k: str(v) for k, v in extra.items()})
     return e
 
@@ -108,7 +113,8 @@ def torchrun(launcher_args: list[str], argv: list[str], cwd=REPO) -> subprocess.
 
 
 def wait_all(procs, timeout: float = 120) -> list[tuple[int, str, str]]:
-    """(returncode, stdout, stderr) per process; kills everything still running on time-out."""
+    """(returncode, stdout, stderr) per process; on time-out, what each printed, with the stack
+    of every thread of those still running (SIGABRT: env()'s faulthandler), then kills them."""
     out = []
     try:
         for p in procs:
@@ -116,15 +122,18 @@ def wait_all(procs, timeout: float = 120) -> list[tuple[int, str, str]]:
             out.append((p.returncode, o, e))
     except subprocess.TimeoutExpired:
         for p in procs:
-            p.kill()
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGABRT)
         told = []
         for rank, p in enumerate(procs):
             try:
                 o, e = p.communicate(timeout=10)
             except subprocess.TimeoutExpired:  # a child of it still holds the pipes
+                p.kill()
                 o, e = "(still open)", "(still open)"
             told.append(
-                f"--- process {rank} stdout\n{(o or '')[-2000:]}\n--- stderr\n{(e or '')[-2000:]}"
+                f"--- process {rank} stdout\n{(o or '')[-2000:]}\n--- stderr\n{(e or '')[-8000:]}"
             )
         raise AssertionError(
             f"still running after {timeout} s, killed:\n" + "\n".join(told)
