@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -123,7 +124,8 @@ def wait_all(procs, timeout: float = 120) -> list[tuple[int, str, str]]:
     except subprocess.TimeoutExpired:
         for p in procs:
             if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
+                with contextlib.suppress(OSError):  # gone already
+                    resource.prlimit(p.pid, resource.RLIMIT_CORE, (0, 0))  # no core file
                     os.kill(p.pid, signal.SIGABRT)
         told = []
         for rank, p in enumerate(procs):
