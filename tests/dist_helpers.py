@@ -36,6 +36,7 @@ FAST = [
     "--eval.tokens=512",
     "--eval.sample_tokens=1",
     "--log.progress=false",
+    "--log.plot=false",
     "--log.every=1",
     "--checkpoint.every=0",
     "--train.dtype=float32",

@@ -20,7 +20,7 @@ from gptrain.training.attempts import failed_streak
 from gptrain.training.guards import Preemption
 
 QUICK = ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
-QUICK += ["optim.warmup_steps=1", "log.progress=false", "checkpoint.every=2"]
+QUICK += ["optim.warmup_steps=1", "log.progress=false", "log.plot=false", "checkpoint.every=2"]
 
 
 def attempt(n, latest, end=None, signal=None, limit=3):

@@ -197,7 +197,7 @@ def test_muon_bfloat16_on_an_avx2_cpu_is_one_line_exit_2(byte_data, tmp_path):
     env["GPTRAIN_CACHE"] = str(tmp_path / "cache")
     run_dir = tmp_path / "r"
     args = ["--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
-    args += ["--optim.name=muon", "--optim.muon_dtype=bfloat16", "--log.progress=false"]
+    args += ["--optim.name=muon", "--optim.muon_dtype=bfloat16", "--log.progress=false", "--log.plot=false"]  # fmt: skip
     p = forked.run([sys.executable, "-m", "gptrain", "train", *args], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1, p.stderr
@@ -224,7 +224,7 @@ def test_real_measurement_is_bounded_and_leaves_the_global_rng_alone(tmp_path):
 def test_a_run_shows_its_choices_in_the_first_line_and_summary(byte_data, tmp_path, monkeypatch):
     monkeypatch.setenv("GPTRAIN_CACHE", str(tmp_path / "cache"))
     run_dir = tmp_path / "run"
-    args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--log.progress=false"]  # fmt: skip
+    args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--log.progress=false", "--log.plot=false"]  # fmt: skip
     args += ["--train.max_steps=2", "--eval.every=0", "--eval.tokens=512", "--checkpoint.every=0"]
     args += ["--optim.name=muon", "--optim.warmup_steps=1", "--eval.sample_every=0", "--train.attention=auto", "--train.loss=auto"]  # fmt: skip
     assert cli(args) == 0

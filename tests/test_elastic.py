@@ -113,7 +113,7 @@ def test_two_loopback_agents_lose_a_node_and_get_it_back(byte_data, tmp_path):
     steps = 160  # the survivor must still be training when the lost node is back (~40 steps)
     common = [f"train.max_steps={steps}", "train.micro_batch_size=4"]
     common += ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
-    common += ["optim.warmup_steps=1", "log.every=1", "log.progress=false", "train.dtype=float32"]
+    common += ["optim.warmup_steps=1", "log.every=1", "log.progress=false", "log.plot=false", "train.dtype=float32"]  # fmt: skip
     # uninterrupted, one process
     run(byte_data, tmp_path / "ref", *common, f"checkpoint.every={steps}")
     common += ["checkpoint.every=5"]
@@ -178,7 +178,7 @@ def short_job(tmp_path: Path, data: Path, endpoint: str, steps: int) -> tuple[Pa
     cmd = [sys.executable, "-c", AGENT, "train", "--config", DEBUG, f"--data.dir={data}"]
     cmd += [f"--run.dir={run_dir}", f"--train.max_steps={steps}", "--train.micro_batch_size=4"]
     cmd += ["--checkpoint.every=5", "--eval.every=0", "--eval.sample_every=0", "--log.every=1"]
-    cmd += ["--log.progress=false", "--dist.nnodes=1:2", "--dist.nproc_per_node=1"]
+    cmd += ["--log.progress=false", "--log.plot=false", "--dist.nnodes=1:2", "--dist.nproc_per_node=1"]  # fmt: skip
     cmd += [f"--dist.rdzv_endpoint={endpoint}", f"--dist.rdzv_conf={RDZV_CONF}"]
     return run_dir, cmd
 

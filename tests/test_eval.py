@@ -30,7 +30,7 @@ def hellaswag_file():
 
 
 def run(byte_data, run_dir, *overrides):
-    base = [f"data.dir={byte_data}", f"run.dir={run_dir}", "log.progress=false", "eval.sample_every=0"]  # fmt: skip
+    base = [f"data.dir={byte_data}", f"run.dir={run_dir}", "log.progress=false", "log.plot=false", "eval.sample_every=0"]  # fmt: skip
     return train(load_config(DEBUG, [*base, *overrides]), DistInfo())
 
 
@@ -50,7 +50,7 @@ def test_loop_hellaswag_equals_gptrain_eval_and_the_hf_export(byte_data, hellasw
     pytest.importorskip("tensorboard", reason="tensorboard not installed")
     run_dir = tmp_path / "run"
     hs = [f"eval.hellaswag={hellaswag_file}", "eval.hellaswag_every=4", "eval.hellaswag_limit=24"]
-    summary = run(byte_data, run_dir, "train.max_steps=6", "eval.every=3", "log.every=3", "checkpoint.every=3", "log.tensorboard=true", *hs)  # fmt: skip
+    summary = run(byte_data, run_dir, "train.max_steps=6", "eval.every=3", "log.every=3", "checkpoint.every=3", "log.tensorboard=true", "log.plot=true", *hs)  # fmt: skip
     logged = rows(run_dir)
     scored = [r["step"] for r in logged if "hellaswag_acc_norm" in r]
     assert scored == [0, 4, 6]  # the baseline, every 4 steps, the end

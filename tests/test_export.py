@@ -130,7 +130,7 @@ def test_training_can_start_from_an_exported_folder(byte_data, tmp_path, capsys)
     import json
 
     debug = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
-    common = [f"--data.dir={byte_data}", "--log.progress=false", "--eval.sample_every=0"]
+    common = [f"--data.dir={byte_data}", "--log.progress=false", "--log.plot=false", "--eval.sample_every=0"]  # fmt: skip
     first, second, hf_dir = tmp_path / "first", tmp_path / "second", tmp_path / "hf"
     assert cli(["train", "--config", debug, f"--run.dir={first}", "--train.max_steps=8", *common]) == 0  # fmt: skip
     assert cli(["export", "--run", str(first), "--out", str(hf_dir)]) == 0

@@ -172,7 +172,7 @@ def test_spike_multiplies_that_steps_loss_and_gradients(byte_data, tmp_path, fau
 def test_crash_exits_1_inside_its_step(byte_data, tmp_path):
     run_dir = tmp_path / "r"
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
-    cmd += [f"--run.dir={run_dir}", "--log.progress=false", "--train.max_steps=6"]
+    cmd += [f"--run.dir={run_dir}", "--log.progress=false", "--log.plot=false", "--train.max_steps=6"]  # fmt: skip
     cmd += ["--checkpoint.every=2", *(f"--{q}" for q in QUICK)]
     env = {**__import__("os").environ, faults.ENV: "crash@4", "PYTHONPATH": str(REPO)}
     p = forked.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -184,7 +184,7 @@ def test_crash_exits_1_inside_its_step(byte_data, tmp_path):
 
 def cli_train(byte_data, run_dir, *overrides):
     args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
-    return cli([*args, "--log.progress=false", *(f"--{o}" for o in overrides)])
+    return cli([*args, "--log.progress=false", "--log.plot=false", *(f"--{o}" for o in overrides)])
 
 
 def test_publish_error_keeps_the_previous_checkpoint_and_the_rerun_is_exact(

@@ -27,7 +27,7 @@ from gptrain.training.meter import carried
 
 COMMON = ["train.max_steps=6", "checkpoint.every=2", "eval.every=4", "eval.sample_every=0"]
 COMMON += ["eval.tokens=512", "eval.sample_tokens=1", "optim.warmup_steps=1", "log.every=1"]
-COMMON += ["model.dropout=0.1"]
+COMMON += ["model.dropout=0.1", "log.plot=true"]  # the plot is part of what a completion writes
 CLOCK = {"tok_per_s", "mfu", "train_s"}  # wall-clock numbers: differ between any two runs
 SUMMARY_CLOCK = CLOCK | {"elapsed_s", "goodput"}
 

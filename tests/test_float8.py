@@ -129,7 +129,7 @@ def test_on_is_refused_before_anything_is_written(byte_data, tmp_path, capsys):
     exit code 2, one line, no run directory."""
     run_dir = tmp_path / "r"
     args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
-    args += ["--log.progress=false", "--train.dtype=bfloat16"]
+    args += ["--log.progress=false", "--log.plot=false", "--train.dtype=bfloat16"]
     for value, said in (("on", "this run's device is cpu"), ("fast", "allowed: auto, on, off")):
         assert cli([*args, f"--train.float8={value}"]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -16,7 +16,7 @@ from gptrain.__main__ import main as cli
 from gptrain.training import attempts
 
 QUICK = ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
-QUICK += ["optim.warmup_steps=1", "log.every=1", "log.progress=false"]
+QUICK += ["optim.warmup_steps=1", "log.every=1", "log.progress=false", "log.plot=false"]
 
 
 def test_goodput_of_given_attempts():

@@ -26,7 +26,7 @@ QUICK += ["optim.warmup_steps=1"]
 
 def cli_train(byte_data, run_dir, *overrides):
     args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
-    return cli([*args, "--log.progress=false", *(f"--{o}" for o in overrides)])
+    return cli([*args, "--log.progress=false", "--log.plot=false", *(f"--{o}" for o in overrides)])
 
 
 def rewrite_state(folder: Path, state, fmt=checkpoint.FORMAT) -> None:

@@ -18,7 +18,7 @@ from gptrain.distributed import faults
 
 COMMON = ["train.max_steps=6", "checkpoint.every=2", "eval.every=4", "eval.sample_every=0"]
 COMMON += ["eval.tokens=512", "eval.sample_tokens=1", "optim.warmup_steps=1", "log.every=1"]
-COMMON += ["log.progress=false", "model.dropout=0.1"]
+COMMON += ["log.progress=false", "log.plot=false", "model.dropout=0.1"]
 LATEST = {"kill_save": "step_00000002", "kill_eval": "step_00000004"}
 SAID = {
     "kill_save": "kill_save at step 4: checkpoint written, not published: SIGKILL",

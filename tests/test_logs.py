@@ -163,7 +163,7 @@ def test_resumed_run_shows_each_step_once_in_every_logger(byte_data, tmp_path, o
     rate: TensorBoard and metrics.jsonl show the redone values, and W&B continues the same run."""
     pytest.importorskip("tensorboard", reason="tensorboard not installed")
     run_dir = tmp_path / "run"
-    common = [f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--log.progress=false"]
+    common = [f"--data.dir={byte_data}", f"--run.dir={run_dir}", "--log.progress=false", "--log.plot=false"]  # fmt: skip
     common += ["--train.max_steps=8", "--checkpoint.every=4", "--log.every=2", "--eval.every=4"]
     common += ["--eval.sample_every=0", "--log.tensorboard=true", "--log.wandb=gptrain-test"]
 

@@ -118,7 +118,7 @@ def test_a_transformers_nanochat_folder_starts_a_run_that_resumes(byte_data, tmp
     assert cli(["eval", *args, "--val-tokens", "8192", "--out", str(out)]) == 0
     want = json.loads(out.read_text())["val_loss"]
     run = tmp_path / "run"
-    common = ["--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run}", "--log.progress=false", "--eval.sample_every=0"]  # fmt: skip
+    common = ["--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run}", "--log.progress=false", "--log.plot=false", "--eval.sample_every=0"]  # fmt: skip
     init = [f"--model.init_from={folder}", "--optim.warmup_steps=1", "--eval.every=2"]
     assert cli(["train", *common, *init, "--train.max_steps=2"]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -22,7 +22,7 @@ from gptrain.config.load import load_config, to_toml
 from gptrain.distributed import faults
 from gptrain.errors import UserError
 
-NANOCHAT = ["model.arch=nanochat", "train.dtype=float32", "log.progress=false"]
+NANOCHAT = ["model.arch=nanochat", "train.dtype=float32", "log.progress=false", "log.plot=false"]
 RTOL, ATOL = 1e-5, 1e-6  # tests/test_distributed.py's tolerance across world sizes
 
 

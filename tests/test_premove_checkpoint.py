@@ -49,6 +49,7 @@ OVERRIDES = [
     "eval.sample_every=0",
     "log.every=3",
     "log.progress=false",
+    "log.plot=false",
     "train.attention=sdpa",  # what auto meant in float32 before the move (now it is measured)
 ]
 STEP6 = "step_00000006"

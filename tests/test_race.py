@@ -240,6 +240,7 @@ def test_the_regime_of_a_prepared_folder_equals_plain_counting_and_is_cached(
 
 FAST = [
     "--log.progress=false",
+    "--log.plot=false",
     "--train.max_steps=8",
     "--eval.every=4",
     "--eval.tokens=1024",

@@ -186,7 +186,7 @@ def test_sigkill_at_any_moment_then_resume_equals_uninterrupted_run(byte_data, t
     run(byte_data, tmp_path / "full", *common)
     crashed = tmp_path / "crashed"
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
-    cmd += [f"--run.dir={crashed}", "--log.progress=false", *(f"--{o}" for o in common)]
+    cmd += [f"--run.dir={crashed}", "--log.progress=false", "--log.plot=false", *(f"--{o}" for o in common)]  # fmt: skip
     proc = forked.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     metrics_file = crashed / "metrics.jsonl"
@@ -227,7 +227,7 @@ def test_sigkill_while_a_checkpoint_is_being_written_then_resume_equals_uninterr
     crashed = tmp_path / "crashed"
     ckpts = crashed / "checkpoints"
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
-    cmd += [f"--run.dir={crashed}", "--log.progress=false", *(f"--{o}" for o in common)]
+    cmd += [f"--run.dir={crashed}", "--log.progress=false", "--log.plot=false", *(f"--{o}" for o in common)]  # fmt: skip
     caught = []  # steps whose save was killed half-way
     for _attempt in range(3):
         proc = forked.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -298,7 +298,7 @@ def test_resume_with_another_gelu_or_bias_is_refused(byte_data, tmp_path, capsys
         keys = load_file(run_dir / "checkpoints" / latest / "model.safetensors").keys()
         assert keys and not [k for k in keys if k.endswith(".bias")]
     args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
-    args += [f"--{o}" for o in common] + ["--train.max_steps=4", "--log.progress=false"]
+    args += [f"--{o}" for o in common] + ["--train.max_steps=4", "--log.progress=false", "--log.plot=false"]  # fmt: skip
     capsys.readouterr()
     assert cli(args) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -14,7 +14,7 @@ from gptrain.config.load import load_config, to_toml
 sys.path.insert(0, str(REPO / "benchmarks" / "study"))
 import study_reuse  # noqa: E402
 
-FAST = ["log.progress=false", "train.max_steps=4", "eval.every=2", "eval.tokens=1024"]
+FAST = ["log.progress=false", "log.plot=false", "train.max_steps=4", "eval.every=2", "eval.tokens=1024"]  # fmt: skip
 FAST += ["eval.sample_every=0", "checkpoint.every=2", "optim.warmup_steps=1"]
 
 

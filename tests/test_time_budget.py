@@ -183,7 +183,7 @@ def contents(folder) -> dict:
 
 def cli_train(byte_data, run_dir, *overrides) -> int:
     args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
-    return cli([*args, "--log.progress=false", *(f"--{o}" for o in overrides)])
+    return cli([*args, "--log.progress=false", "--log.plot=false", *(f"--{o}" for o in overrides)])
 
 
 def test_resuming_under_another_budget_is_one_line_exit_2_and_nothing_written(

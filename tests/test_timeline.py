@@ -43,7 +43,7 @@ def no_mirror_left():
 def start(byte_data, run_dir, *overrides, fault=""):
     """`gptrain train` in its own process (a `crash` fault ends it); (exit code, stdout + err)."""
     cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
-    cmd += [f"--run.dir={run_dir}", "--log.progress=false", *(f"--{o}" for o in overrides)]
+    cmd += [f"--run.dir={run_dir}", "--log.progress=false", "--log.plot=false", *(f"--{o}" for o in overrides)]  # fmt: skip
     env = {**os.environ, faults.ENV: fault, "PYTHONPATH": str(REPO)}
     p = forked.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     return p.returncode, p.stdout + p.stderr
@@ -52,7 +52,7 @@ def start(byte_data, run_dir, *overrides, fault=""):
 def cli_train(byte_data, run_dir, *overrides) -> int:
     """`gptrain train` in this process (its one-line errors on stderr)."""
     args = ["train", "--config", DEBUG, f"--data.dir={byte_data}", f"--run.dir={run_dir}"]
-    return cli([*args, "--log.progress=false", *(f"--{o}" for o in overrides)])
+    return cli([*args, "--log.progress=false", "--log.plot=false", *(f"--{o}" for o in overrides)])
 
 
 def same(a: dict, b: dict) -> None:

@@ -53,6 +53,7 @@ def test_debug_run_learns_and_writes_outputs(byte_data, tmp_path, capsys):
     assert (run_dir / "loss.png").stat().st_size > 10_000
     log = (run_dir / "train.log").read_text()
     assert "step 40/40 loss" in log and "step 40: val loss" in log and "done: 40 steps" in log
+    assert f"; plot {run_dir / 'loss.png'}" in log  # log.plot's default: drawn at the end
     assert (run_dir / "config.toml").is_file()
     assert load_config(str(run_dir / "config.toml")).run.dir == str(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -161,6 +162,18 @@ def test_bench_reports_tokens_and_mfu(capsys, tmp_path):
 
 
 @pytest.mark.slow
+def test_log_plot_false_ends_without_a_plot_that_gptrain_plot_draws_later(byte_data, tmp_path):
+    """log.plot = false: no loss.png and none named in the last line; `gptrain plot` draws it
+    from metrics.jsonl afterwards."""
+    run_dir = tmp_path / "run"
+    quick = ["train.max_steps=2", "optim.warmup_steps=1", "eval.every=0", "eval.tokens=512"]
+    run(byte_data, run_dir, *quick, "eval.sample_every=0", "eval.sample_tokens=1", "log.plot=false")
+    done = [x for x in (run_dir / "train.log").read_text().splitlines() if x.startswith("done:")]
+    assert len(done) == 1 and "plot" not in done[0] and not (run_dir / "loss.png").exists()
+    assert cli(["plot", "--run", str(run_dir)]) == 0
+    assert (run_dir / "loss.png").stat().st_size > 10_000
+
+
 def test_compiled_run_equals_eager_and_saves_plain_keys(byte_data, tmp_path):
     """train.compile=true trains, evaluates and samples; same weights as eager; no _orig_mod."""
     # micro-batches of 4 x 64 and one thread, as each rank of tests/test_distributed.py's
@@ -185,7 +198,7 @@ def test_compiled_run_equals_eager_and_saves_plain_keys(byte_data, tmp_path):
 def test_ctrl_c_stops_cleanly_with_a_final_log_line(byte_data, tmp_path):
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
-    args += [f"--run.dir={run_dir}", "--train.max_steps=100000", "--log.progress=false"]
+    args += [f"--run.dir={run_dir}", "--train.max_steps=100000", "--log.progress=false", "--log.plot=false"]  # fmt: skip
     args += ["--checkpoint.every=5", "--eval.every=0"]
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT below prints every thread's stack
     # A shell starts background jobs (`make test &`) with SIGINT ignored, and a child inherits
@@ -343,7 +356,7 @@ def test_a_second_training_into_a_run_dir_in_use_is_one_line_and_exit_2(byte_dat
     first (host, pid), exit 2, writing nothing; the first finishes normally and lets go."""
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
-    args += [f"--run.dir={run_dir}", "--log.progress=false", "--log.every=1", "--eval.every=0"]
+    args += [f"--run.dir={run_dir}", "--log.progress=false", "--log.plot=false", "--log.every=1", "--eval.every=0"]  # fmt: skip
     args += ["--eval.sample_every=0", "--eval.tokens=512", "--train.max_steps=100"]
     first = forked.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + 120

@@ -23,7 +23,7 @@ from gptrain.distributed.watchdog import FIRST_S, Watchdog
 BUDGET = 3  # seconds: dist.hang_timeout_s in the runs below
 COMMON = ["train.max_steps=8", "checkpoint.every=4", "model.dropout=0.1", "log.every=1"]
 COMMON += ["eval.every=0", "eval.sample_every=0", "eval.tokens=512", "eval.sample_tokens=1"]
-COMMON += ["optim.warmup_steps=1", "log.progress=false", "train.dtype=float32"]
+COMMON += ["optim.warmup_steps=1", "log.progress=false", "log.plot=false", "train.dtype=float32"]
 
 
 class FakeClock:

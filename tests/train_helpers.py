@@ -15,9 +15,8 @@ DEBUG = str(REPO / "configs" / "debug.toml")
 
 
 def run(byte_data, run_dir, *overrides):
-    cfg = load_config(
-        DEBUG, [f"data.dir={byte_data}", f"run.dir={run_dir}", "log.progress=false", *overrides]
-    )
+    base = [f"data.dir={byte_data}", f"run.dir={run_dir}", "log.progress=false", "log.plot=false"]
+    cfg = load_config(DEBUG, [*base, *overrides])
     return train(cfg, DistInfo())
 
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 EVERY, EVAL_EVERY = 4, 6  # checkpoint and evaluation intervals (steps)
 ARGS = [f"--checkpoint.every={EVERY}", f"--eval.every={EVAL_EVERY}", "--train.micro_batch_size=4"]
 ARGS += ["--eval.sample_every=0", "--eval.tokens=512", "--eval.sample_tokens=1"]
-ARGS += ["--optim.warmup_steps=1", "--log.every=1", "--log.progress=false", "--model.dropout=0.0"]
+ARGS += ["--optim.warmup_steps=1", "--log.every=1", "--log.progress=false", "--log.plot=false", "--model.dropout=0.0"]  # fmt: skip
 ARGS += ["--train.dtype=float32", "--dist.hang_timeout_s=5", "--run.max_failed_attempts=0"]
 ARGS += ["--checkpoint.keep_last=2"]
 MODES = {"ddp": ["--dist.mode=ddp"], "fsdp": ["--dist.mode=fsdp"]}

@@ -169,6 +169,7 @@ class Check:
             "eval.every=0",
             "eval.sample_every=0",
             "log.progress=false",
+            "log.plot=false",
             "log.every=1",
             "optim.warmup_steps=1",
             "checkpoint.every=0",

@@ -194,7 +194,8 @@ def _complete(run, cfg: Config, watchdog: Watchdog, ledger, row: dict | None) ->
     save, now. The final evaluations and the step's row (its training metrics from the
     checkpoint's meta.json) unless metrics.jsonl has the row; then summary.json and the plot."""
     state, step = run.state, run.state.step
-    what = f"completing it ({'summary' if row else 'final evaluation, summary'}, plot)"
+    parts = ["summary"] if row else ["final evaluation", "summary"]
+    what = f"completing it ({', '.join(parts + ['plot'] * cfg.log.plot)})"
     if step > cfg.train.max_steps:  # a rerun with a lower max_steps: the run cannot go back
         what = f"it is past train.max_steps = {cfg.train.max_steps}, so the run ends at step {step}: {what}; to end at another step, train a new run.dir"
     run.logger.text(

@@ -296,6 +296,9 @@ class LogConfig:
         False, "also write TensorBoard events to run.dir/tb (needs tensorboard)"
     )
     wandb: str = opt("", "Weights & Biases project name; empty disables (needs wandb)")
+    plot: bool = opt(
+        True, "draw run.dir/loss.png when the run ends (`gptrain plot RUN` draws it any time)"
+    )
 
     def check(self) -> None:
         check(self.every >= 1, f"log.every = {self.every} must be >= 1")

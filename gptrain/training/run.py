@@ -378,7 +378,7 @@ def finish(run: Run, cfg: Config) -> dict:
     if run.info.is_main:
         text = json.dumps(summary, indent=2)
         atomic_write_bytes(Path(cfg.run.dir) / "summary.json", text.encode())
-        plot_path = plot_run(cfg.run.dir)
+        plotted = f"; plot {plot_run(cfg.run.dir)}" if cfg.log.plot else ""
         train_tokens = sum(len(s) for s in run.dataset.shards["train"])
         hparams = scorecard_hparams(
             cfg.train, cfg.optim, run.model.config, state.tokens, train_tokens
@@ -397,6 +397,6 @@ def finish(run: Run, cfg: Config) -> dict:
             )
         run.logger.text(
             f"done: {state.step} steps, {state.tokens:,} tokens in {format_duration(total)}; train loss {loss:.4f}"
-            f"{vals}; {tok_per_s:,.0f} tok/s, MFU {mfu:.1%}; plot {plot_path}"
+            f"{vals}; {tok_per_s:,.0f} tok/s, MFU {mfu:.1%}{plotted}"
         )
     return summary
