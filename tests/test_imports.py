@@ -3,6 +3,7 @@ gptrain module (top-level or inside a function) must point to its own folder or 
 and no module may reach itself through a chain of imports (no circles)."""
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,12 @@ WHOLE_CONFIG = ("Config", "load_config")
 MAY_SEE_THE_WHOLE_CONFIG = {"training", "commands", "config"}
 
 
+@functools.cache
+def parse(text: str) -> ast.Module:
+    """A module's syntax tree, parsed once for all the checks below (they only read it)."""
+    return ast.parse(text)
+
+
 def sources() -> dict[str, str]:
     """{module name: source text} of every module of the package."""
     return {module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
@@ -145,7 +152,7 @@ def home_of(name: str, texts: dict[str, str]) -> str:
     homes = [
         mod
         for mod, text in texts.items()
-        for node in ast.parse(text).body
+        for node in parse(text).body
         if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name
     ]
     assert len(homes) == 1, f"{name} is defined in {homes or 'no module'}"
@@ -161,7 +168,7 @@ def whole_config_imports(texts: dict[str, str]) -> list[str]:
     for mod, text in texts.items():
         if unit(mod) in MAY_SEE_THE_WHOLE_CONFIG:
             continue
-        for node in ast.walk(ast.parse(text)):
+        for node in ast.walk(parse(text)):
             if isinstance(node, ast.Import):
                 hits = {a.name for a in node.names} & homes
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gptrain"):
