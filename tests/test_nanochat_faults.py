@@ -66,20 +66,23 @@ def _last_loss(run_dir) -> float:
 @pytest.mark.slow
 def test_compiled_nanochat_run_equals_eager(byte_data, tmp_path):
     """train.compile=true on the nanochat block: 3 steps, the same weights as eager (up to the
-    kernels' summation order, as tests/test_train.py's GPT-2 case), plain keys in the checkpoint."""
+    kernels' summation order, as tests/test_train.py's GPT-2 case) and the same final val loss,
+    plain keys in the checkpoint."""
     common = [*NANOCHAT, "train.max_steps=3", "optim.warmup_steps=1", "eval.every=0"]
     common += ["eval.tokens=512", "train.micro_batch_size=4", "eval.sample_every=0"]
     common += ["eval.sample_tokens=4", "checkpoint.every=0"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the GPT-2 case: inductor's code names its thread count
     try:
-        run(byte_data, tmp_path / "eager", *common)
-        run(byte_data, tmp_path / "compiled", "train.compile=true", *common)
+        eager = run(byte_data, tmp_path / "eager", *common)
+        compiled = run(byte_data, tmp_path / "compiled", "train.compile=true", *common)
     finally:
         torch.set_num_threads(threads)
     a, b = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
     assert a.keys() == b.keys() and not any("_orig_mod" in k for k in b)
     assert_same_training(b, a, "compiled vs eager (nanochat)", 3 * 3e-3, rtol=1e-4, atol=1e-5)
+    # the final evaluation ran the compiled inference graph (no autograd): the same val loss
+    assert compiled["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-5)
 
 
 def _folder(tmp_path, model_type: str | None):
