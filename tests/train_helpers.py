@@ -15,7 +15,10 @@ DEBUG = str(REPO / "configs" / "debug.toml")
 
 
 def run(byte_data, run_dir, *overrides):
+    """A one-process run of configs/debug.toml in this process, with a short final evaluation
+    and sample (512 tokens, 1 token; a test's overrides come after and win) and no plot."""
     base = [f"data.dir={byte_data}", f"run.dir={run_dir}", "log.progress=false", "log.plot=false"]
+    base += ["eval.tokens=512", "eval.sample_tokens=1"]
     cfg = load_config(DEBUG, [*base, *overrides])
     return train(cfg, DistInfo())
 
