@@ -245,6 +245,7 @@ FAST = [
     "--eval.every=4",
     "--eval.tokens=1024",
     "--eval.sample_every=0",
+    "--eval.sample_tokens=1",
     "--checkpoint.every=4",
     "--log.every=2",
     "--optim.warmup_steps=2",
