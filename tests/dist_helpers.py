@@ -202,12 +202,15 @@ def _checksums(model):
     return [o.tolist() for o in out]
 
 
+_KEPT: list = []  # see worker_comm
+
+
 def worker_comm(overrides: list[str], steps: int, sync_every_micro_step: bool) -> dict:
     """Train `steps` steps with train_step; per step record the gradient elements all-reduced
     (DDP communication hook) and the parameter checksums of every rank."""
     import contextlib
 
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    import torch
 
     from gptrain.distributed import parallelize
     from gptrain.distributed import runtime as dist
@@ -217,14 +220,20 @@ def worker_comm(overrides: list[str], steps: int, sync_every_micro_step: bool) -
     calls = {"buckets": 0, "elements": 0}
 
     def counting_hook(state, bucket):
+        """Counts, then averages the bucket as DDP does (divide, all-reduce), here and at once:
+        the future handed back is already done, so no Python callback runs on gloo's threads."""
         calls["buckets"] += 1
         calls["elements"] += bucket.buffer().numel()
-        return default_hooks.allreduce_hook(state, bucket)
+        buffer = bucket.buffer().div_(info.world_size)
+        torch.distributed.all_reduce(buffer)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
 
     wrapped.register_comm_hook(None, counting_hook)
     if sync_every_micro_step:  # the control: what the counter sees when no_sync is not used
         parallelize.grad_sync = lambda wrapped, sync: contextlib.nullcontext()
-    scaler = __import__("torch").amp.GradScaler("cpu", enabled=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
     record = {
         "accum": accum,
         "params": sum(p.numel() for p in model.parameters()),
@@ -251,6 +260,11 @@ def worker_comm(overrides: list[str], steps: int, sync_every_micro_step: bool) -
             }
         )
     dist.teardown()
+    # The wrapper lives until the process ends (os._exit below): destroyed, its reducer's last
+    # reference can drop on a gloo thread, whose release of the Python hook waits for the GIL
+    # while this thread, holding it, joins that thread in the process group's destructor (torch
+    # 2.11: one run in ~5 hung after its last step, both stacks as described)
+    _KEPT.append(wrapped)
     return record
 
 
@@ -309,6 +323,10 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown worker {name}")
     rank = os.environ.get("RANK", "0")
     Path(f"{out_file}.{rank}").write_text(json.dumps(result))
+    if _KEPT:  # nothing worker_comm kept is destroyed (see there)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     from gptrain.__main__ import exit_quickly
 
     exit_quickly(0)
