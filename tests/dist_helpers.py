@@ -262,8 +262,8 @@ def worker_comm(overrides: list[str], steps: int, sync_every_micro_step: bool) -
     dist.teardown()
     # The wrapper lives until the process ends (os._exit below): destroyed, its reducer's last
     # reference can drop on a gloo thread, whose release of the Python hook waits for the GIL
-    # while this thread, holding it, joins that thread in the process group's destructor (torch
-    # 2.11: one run in ~5 hung after its last step, both stacks as described)
+    # while this thread, holding it, joins that thread in the process group's destructor (on
+    # torch 2.11 about one run in five hung there, after its last step)
     _KEPT.append(wrapped)
     return record
 
