@@ -25,8 +25,15 @@ from gptrain.model.hf_nanochat import (
 from gptrain.model.nanochat import NanoChat, NanoChatConfig
 
 transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "NanoChatForCausalLM"):
-    pytest.skip("this transformers has no NanoChatForCausalLM", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _has_nanochat():
+    """Asked when the tests run, not at collection: the class's first use imports its modeling
+    code (seconds), which a pytest worker that runs none of these tests should not pay."""
+    if not hasattr(transformers, "NanoChatForCausalLM"):
+        pytest.skip("this transformers has no NanoChatForCausalLM")
+
 
 VOCAB = 101
 VARIANTS = [(4, 15.0), (2, 15.0), (1, 0.0), (4, 0.0)]  # (n_kv_head, softcap)
