@@ -32,6 +32,7 @@ or environment the zygote cannot run is exec'ed with the real interpreter, uncha
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import hashlib
 import json
@@ -48,14 +49,15 @@ import time
 
 # variables read at run time, not while modules import: they may differ between children
 # (pip's, for the pip a child may start; inductor's private ones, which a compile in the caller
-# sets; cuBLAS's, which deterministic mode sets; the .netrc file W&B reads its key from)
+# sets; cuBLAS's, which deterministic mode sets; the .netrc file W&B reads its key from;
+# PYTHONFAULTHANDLER, which the interpreter reads at start and a child applies itself)
 RUNTIME = ("GPTRAIN_", "PYTEST_", "WANDB_", "TORCHELASTIC_", "TORCH_NCCL_", "MASTER_", "SLURM_",
            "PIP_", "_TORCHINDUCTOR_")  # fmt: skip
 RUNTIME_EXACT = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "PYTHON_EXEC",
                  "NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
                  "PYTHONUNBUFFERED", "TORCH_FR_BUFFER_SIZE", "WAIT_FOR_PORT",
-                 "CUBLAS_WORKSPACE_CONFIG", "NETRC"}  # fmt: skip
+                 "CUBLAS_WORKSPACE_CONFIG", "NETRC", "PYTHONFAULTHANDLER"}  # fmt: skip
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.run",
            "torch.distributed.checkpoint", "matplotlib", "gptrain.__main__",
            "gptrain.commands.train", "gptrain.commands.prepare", "gptrain.commands.eval",
@@ -441,6 +443,8 @@ def _child(req, fds, ready: int) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.environ.setdefault("PYTHON_EXEC", python)
+    # as a fresh interpreter: the fault handler on where PYTHONFAULTHANDLER is set (its stderr)
+    faulthandler.enable() if os.environ.get("PYTHONFAULTHANDLER") else faulthandler.disable()
     os.write(ready, b"1")
     os.close(ready)
     argv = list(req["argv"])

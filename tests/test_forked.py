@@ -42,6 +42,18 @@ def test_code_and_script_give_what_a_fresh_interpreter_gives(tmp_path):
     assert "unknown command 'fly'" in fork.stderr
 
 
+def test_the_fault_handler_follows_pythonfaulthandler_as_in_a_fresh_interpreter():
+    """PYTHONFAULTHANDLER is read when an interpreter starts; children of one zygote, with it
+    and without it, get what a fresh interpreter gets (one zygote serves both)."""
+    on, off = ({**os.environ, "PYTHONFAULTHANDLER": v} for v in ("1", ""))
+    assert forked._zygote(on) is forked._zygote(off)
+    code = "import faulthandler; print(faulthandler.is_enabled())"
+    for value, enabled in (("1", "True"), ("", "False"), ("1", "True")):
+        env = {**os.environ, "PYTHONFAULTHANDLER": value}
+        fresh, fork = both([sys.executable, "-c", code], env=env)
+        assert fresh.stdout == fork.stdout == enabled + "\n", (value, fresh, fork)
+
+
 # short sleeps: see WORKER below
 SLEEPER = [sys.executable, "-c", "import time\nprint('up', flush=True)\nfor _ in range(1200):\n    time.sleep(0.05)"]  # fmt: skip
 
