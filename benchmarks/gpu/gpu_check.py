@@ -196,7 +196,7 @@ class Check:
     def bench_args(self) -> list[str]:
         """Row 0's `gptrain bench` command line after --config, less --json."""
         if self.dry:
-            return ["--steps", "2", "--warmup", "1", "--model.preset=tiny", "--train.seq_len=64", "--train.total_batch_size=1024", "--train.micro_batch_size=4", "--train.dtype=float32", "--train.compile=false", "--train.device=cpu"]  # fmt: skip
+            return ["--steps", "2", "--warmup", "1", "--model.preset=tiny", "--train.seq_len=64", "--train.total_batch_size=256", "--train.micro_batch_size=4", "--train.dtype=float32", "--train.compile=false", "--train.device=cpu"]  # fmt: skip
         # 2^17 tokens a step: 2 micro-steps of 64 x 1024 when 64 fits
         return ["--steps", "20", "--warmup", "5", "--train.total_batch_size=131072", "--train.dtype=bfloat16", "--train.device=cuda"]  # fmt: skip
 
