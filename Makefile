@@ -3,13 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Users get the newest torch their platform offers (CUDA builds on GPU machines). CI (.ci/run) runs
-# `make test` the same way, then again in a second venv with the oldest torch pyproject.toml
-# admits: make test VENV=.cache/venv-oldest TORCH_SPEC=torch==X.Y.Z (installed with the project,
-# so no other dependency can move it).
+# `make test` and `make test-benchmarks` the same way, then everything again in a second venv with
+# the oldest torch pyproject.toml admits: make test-all VENV=.cache/venv-oldest
+# TORCH_SPEC=torch==X.Y.Z (installed with the project, so no other dependency can move it).
 TORCH_SPEC ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint format bench clean
+.PHONY: setup train test test-benchmarks test-all test-fast lint format bench clean
 
 setup: $(STAMP)
 
@@ -28,11 +28,20 @@ train: setup
 TEST_WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# `make test`: every proof of gptrain. The CPU dry runs of benchmarks/ scripts and the short chaos
+# drills (marker `benchmark`: their scripts prove the same at full size) are `make test-benchmarks`;
+# `make test-all` runs both in one suite. CI runs everything.
 test: setup
+	$(PYTEST) -m "not benchmark" $(ARGS)
+
+test-benchmarks: setup
+	$(PYTEST) -m benchmark $(ARGS)
+
+test-all: setup
 	$(PYTEST) $(ARGS)
 
 test-fast: setup
-	$(PYTEST) -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow and not benchmark" $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check gptrain tests benchmarks

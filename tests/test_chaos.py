@@ -17,6 +17,7 @@ import chaos  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 @pytest.mark.parametrize(
     ("mode", "arch"), [("ddp", "gpt2"), ("fsdp", "gpt2"), ("fsdp", "nanochat")]
 )

@@ -8,6 +8,7 @@ import sys
 import tomllib
 
 import forked
+import pytest
 from train_helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
@@ -21,6 +22,7 @@ def rows(text: str) -> list[list[str]]:
     return [[c.strip() for c in x.strip("|").split("|")] for x in lines]
 
 
+@pytest.mark.benchmark
 def test_the_dry_run_benches_and_races_both_blocks_on_the_same_tokens(
     byte_data, tmp_path, monkeypatch, capsys
 ):

@@ -22,6 +22,7 @@ def _script(*args):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 def test_gpu_check_dry_run_prints_its_table(monkeypatch, capsys):
     """benchmarks/gpu/gpu_check.sh --dry-run: every row of the GPU proof run, on tiny CPU models. The
     script runs in this process, its commands forked (tests/forked.py); the shell wrapper is

@@ -8,6 +8,7 @@ import sys
 import tomllib
 
 import forked
+import pytest
 from train_helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
@@ -16,6 +17,7 @@ import gpu_recipe  # noqa: E402
 T = 1.0  # seconds: the dry run's budget T (tiny-model steps take a few milliseconds)
 
 
+@pytest.mark.benchmark
 def test_the_dry_run_trains_each_config_for_its_budget_and_tables_their_summaries(
     tmp_path, monkeypatch, capsys
 ):

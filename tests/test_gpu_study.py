@@ -8,12 +8,14 @@ import sys
 import tomllib
 
 import forked
+import pytest
 from train_helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 import gpu_study  # noqa: E402
 
 
+@pytest.mark.benchmark
 def test_the_dry_run_tunes_the_baseline_at_the_cell_and_races_the_ladder(
     tmp_path, monkeypatch, capsys
 ):
