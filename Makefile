@@ -23,10 +23,11 @@ train: setup
 	$(BIN)/gptrain train --config configs/default.toml $(ARGS)
 
 # Two pytest workers (pytest-xdist), a test file each at a time (module fixtures are built once),
-# one thread per process: on 2 cores the workers fill both (times: benchmarks/RESULTS.md,
-# "Test-suite time"). TEST_WORKERS=0 runs serially.
+# the longest files first (tests/conftest.py's order, kept by --no-loadscope-reorder), one thread
+# per process: on 2 cores the workers fill both (times: benchmarks/RESULTS.md, "Test-suite time").
+# TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # `make test`: every proof of gptrain. The CPU dry runs of benchmarks/ scripts and the short chaos
 # drills (marker `benchmark`: their scripts prove the same at full size) are `make test-benchmarks`;

@@ -11,6 +11,27 @@ import torch
 # as those started with dist_helpers.env() do: one environment, so one zygote (tests/forked.py)
 os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
 
+# The longest files first (each file runs on one pytest worker: `--dist loadfile`, with
+# `--no-loadscope-reorder` keeping this order), so that both workers end together on short files
+# instead of one waiting for the other's last long one. GPT-2's compiled run in test_train.py comes
+# before the other runs of the same graphs (FSDP2, DDP, time budget), which then find its kernels
+# in inductor's cache, and beside the compiled nanochat run, whose kernels are its own. The other
+# files follow, those with more tests first. Only the order changes.
+FIRST = ["test_nanochat_faults", "test_train", "test_elastic", "test_fsdp", "test_distributed",
+         "test_equivalence_matrix", "test_race", "test_model", "test_time_budget", "test_forked",
+         "test_finish", "test_resume", "test_hellaswag", "test_watchdog", "test_choices",
+         "test_eval_error", "test_attempts", "test_mirror", "test_loss", "test_lock_taken",
+         "test_guard", "test_publish_error", "test_muon_dist"]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(FIRST)}
+    count: dict[str, int] = {}
+    for item in items:
+        count[item.path.stem] = count.get(item.path.stem, 0) + 1
+    items.sort(key=lambda item: (first.get(item.path.stem, len(FIRST)), -count[item.path.stem]))
+
+
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
 GPT2_DIR = SHARED / "gpt2"
