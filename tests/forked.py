@@ -443,8 +443,10 @@ def _child(req, fds, ready: int) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.environ.setdefault("PYTHON_EXEC", python)
-    # as a fresh interpreter: the fault handler on where PYTHONFAULTHANDLER is set (its stderr)
-    faulthandler.enable() if os.environ.get("PYTHONFAULTHANDLER") else faulthandler.disable()
+    if os.environ.get("PYTHONFAULTHANDLER"):  # as a fresh interpreter: on, writing to stderr
+        faulthandler.enable()
+    else:
+        faulthandler.disable()
     os.write(ready, b"1")
     os.close(ready)
     argv = list(req["argv"])
