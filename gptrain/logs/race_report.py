@@ -90,7 +90,7 @@ def fit_cell(m: dict) -> str:
 
 def markdown_table(race: dict) -> str:
     """One row per config, then a legend naming the target and the methods."""
-    target, base = race["target"], race["baseline"]
+    target = race["target"]
     hellaswag = any("hellaswag_acc_norm" in c for c in race["configs"])
     ladder = bool(race.get("ladder"))
     fit = ladder and len(race["ladder"]) >= 3
@@ -112,30 +112,11 @@ def markdown_table(race: dict) -> str:
     head += ["HellaSwag"] if hellaswag else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in race["configs"]:
-        is_base = c["label"] == base
         runs = f"{c['runs']}" + (f" ({c['failed']} failed)" if c.get("failed") else "")
         if not c["runs"]:
             lines.append(f"| {c['label']} | {runs} |" + " — |" * (len(head) - 2))
             continue
-        d = c.get("val_loss_vs_baseline")
-        delta = (
-            "—"
-            if d is None
-            else f"{d['diff']:+.4f}{_interval(d['ci'], lambda x: f'{x:+.4f}')}{_p(d['p'])}"
-        )
-        row = [
-            c["label"],
-            runs,
-            _stats(c["val_loss"], lambda x: f"{x:.4f}"),
-            delta,
-            _stats(c["val_bpb"], lambda x: f"{x:.4f}"),
-            _reach_cell(c["tokens_to_target"], _si),
-            _ratio_cell(c["tokens_to_target"], is_base),
-            _reach_cell(c["seconds_to_target"], lambda x: f"{x:.3g} s"),
-            _ratio_cell(c["seconds_to_target"], is_base),
-            _reach_cell(c["flops_to_target"], _si),
-            multiplier_cell(c["compute_multiplier"], ladder),
-        ]
+        row = _row(c, runs, c["label"] == race["baseline"], ladder)
         if fit:
             row.append(fit_cell(c["compute_multiplier"]))
         if race.get("unigram"):
@@ -144,8 +125,36 @@ def markdown_table(race: dict) -> str:
         if hellaswag:
             row.append(_stats(c.get("hellaswag_acc_norm"), lambda x: f"{x:.4f}"))
         lines.append("| " + " | ".join(row) + " |")
-    level = f"{race['level']:.0%}"
-    lines += [
+    return "\n".join(lines + _legend(race, ladder))
+
+
+def _row(c: dict, runs: str, is_base: bool, ladder: bool) -> list[str]:
+    """A config's cells from its label to its compute multiplier."""
+    d = c.get("val_loss_vs_baseline")
+    delta = (
+        "—"
+        if d is None
+        else f"{d['diff']:+.4f}{_interval(d['ci'], lambda x: f'{x:+.4f}')}{_p(d['p'])}"
+    )
+    return [
+        c["label"],
+        runs,
+        _stats(c["val_loss"], lambda x: f"{x:.4f}"),
+        delta,
+        _stats(c["val_bpb"], lambda x: f"{x:.4f}"),
+        _reach_cell(c["tokens_to_target"], _si),
+        _ratio_cell(c["tokens_to_target"], is_base),
+        _reach_cell(c["seconds_to_target"], lambda x: f"{x:.3g} s"),
+        _ratio_cell(c["seconds_to_target"], is_base),
+        _reach_cell(c["flops_to_target"], _si),
+        multiplier_cell(c["compute_multiplier"], ladder),
+    ]
+
+
+def _legend(race: dict, ladder: bool) -> list[str]:
+    """The lines under the table: the target, the methods, the unigram reference."""
+    target, base, level = race["target"], race["baseline"], f"{race['level']:.0%}"
+    lines = [
         "",
         f"Target: val loss {target:.4f} ({race['target_from']}); baseline: {base}. Mean ± sd over seeds; intervals are {level}.",
         f"p: {METHODS['p']}. × baseline: ratio of means, {METHODS['ratio_ci']}; shown from the mean curves without an interval when a run did not reach the target (censored).",
@@ -156,7 +165,7 @@ def markdown_table(race: dict) -> str:
         lines.append(
             f"Below unigram: nats of val loss below {u['nats']:.4f}, the val tokens' cross-entropy under the train split's unigram counts ({u['val_tokens']:,} val tokens, {u['train_tokens']:,} train tokens, {u['smoothing']}). A baseline less than 1 nat below it is marked early regime: its loss is still mostly token frequencies, and a recipe's lead there need not hold later in training."
         )
-    return "\n".join(lines)
+    return lines
 
 
 def _multiplier_legend(race: dict, ladder: bool) -> str:
