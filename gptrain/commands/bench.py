@@ -42,40 +42,9 @@ def bench_one(
     if cuda:  # each row's own peak: the model, its optimizer state and the steps' activations
         torch.cuda.reset_peak_memory_stats(info.device)
     built = build_training(cfg, info, vocab, dtype, compile)
-    model, wrapped, optimizer, ptdtype, autocast, scaler = built
+    model, wrapped, _, ptdtype, autocast, _ = built
     mb, accum = batch.resolve(t, info, wrapped, model, autocast, vocab)
-    gen = torch.Generator().manual_seed(t.seed + info.rank)
-    batches = [torch.randint(0, vocab, (mb, t.seq_len + 1), generator=gen) for _ in range(4)]
-    batches = [(b[:, :-1].to(info.device), b[:, 1:].to(info.device)) for b in batches]
-    counter = iter(range(10**12))
-
-    def next_batch():
-        return batches[next(counter) % len(batches)]
-
-    def run_steps(n: int, sync: bool) -> None:
-        for _ in range(n):
-            train_step(
-                wrapped,
-                model,
-                optimizer,
-                scaler,
-                next_batch,
-                accum,
-                autocast,
-                cfg.optim.grad_clip,
-                sync=sync,
-            )
-
-    def timed(n: int, sync: bool) -> float:
-        run_steps(warmup, sync)
-        synchronize(info.device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        run_steps(n, sync)
-        synchronize(info.device)
-        dist.barrier()
-        return (time.perf_counter() - t0) / n
-
+    timed = _timer(cfg, info, built, (mb, accum), vocab, warmup)
     step_s = timed(steps, sync=True)
     key = str(ptdtype)
     if key not in peaks:
@@ -101,6 +70,39 @@ def bench_one(
     if info.world_size > 1 and cfg.dist.mode == "ddp":  # the same steps without communication
         row["comm_share"] = max(0.0, 1 - timed(steps, sync=False) / step_s)
     return row
+
+
+def _timer(cfg, info: dist.DistInfo, built, batching: tuple[int, int], vocab: int, warmup: int):
+    """timed(n, sync) -> seconds per optimizer step of n steps on random tokens, after `warmup`
+    untimed ones; sync=False skips the gradients' all-reduce."""
+    t, (mb, accum) = cfg.train, batching
+    model, wrapped, optimizer, _, autocast, scaler = built
+    gen = torch.Generator().manual_seed(t.seed + info.rank)
+    batches = [torch.randint(0, vocab, (mb, t.seq_len + 1), generator=gen) for _ in range(4)]
+    batches = [(b[:, :-1].to(info.device), b[:, 1:].to(info.device)) for b in batches]
+    counter = iter(range(10**12))
+
+    def next_batch():
+        return batches[next(counter) % len(batches)]
+
+    def run_steps(n: int, sync: bool) -> None:
+        for _ in range(n):
+            grad_clip = cfg.optim.grad_clip
+            train_step(
+                wrapped, model, optimizer, scaler, next_batch, accum, autocast, grad_clip, sync=sync
+            )
+
+    def timed(n: int, sync: bool) -> float:
+        run_steps(warmup, sync)
+        synchronize(info.device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        run_steps(n, sync)
+        synchronize(info.device)
+        dist.barrier()
+        return (time.perf_counter() - t0) / n
+
+    return timed
 
 
 def format_table(rows: list[dict]) -> str:
