@@ -250,28 +250,8 @@ def _build(
     fsdp = parallelize.shards(cfg.dist, info)
     nonfinite = NonFinite(t.nonfinite, t.max_skips, optimizer, scaler, info.device, fsdp)
     state = TrainState(nonfinite, Spikes(t.spike, t.spike_z, t.spike_window), scaler)
-    tokenizer = dataset.tokenizer
-    meta = {  # what every checkpoint's meta.json records besides the counters
-        "model": config_to_dict(model.config),  # with its "arch" (none: gpt2)
-        "tokenizer": tokenizer.identity(),
-        "data_dir": str(dataset.data_dir),
-        "micro_batch_size": mb,
-        "config": to_toml(cfg),
-        "speed_choices": recorded.record(built.choices, t.compile, mb),  # a resume keeps them
-    }
-    e = cfg.eval
-    byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
-    val = ValLoss(
-        dataset,
-        seq_len=t.seq_len,
-        micro_batch_size=mb,
-        eval_tokens=e.tokens,
-        byte_lengths=byte_lengths,
-    )
-    hellaswag = task_for(
-        e.hellaswag, e.hellaswag_limit, tokenizer, model.config.block_size, mb * t.seq_len, info
-    )
-    evaluator = Evaluator(e, val, hellaswag, tokenizer, t.seed)
+    meta = _meta(cfg, model, dataset, mb, built.choices)
+    evaluator = _evaluator(cfg, info, dataset, model.config.block_size, mb)
     parts = (model, optimizer, loader)
     budget_s = duration_s(t.time_budget)  # None: no train.time_budget
     checkpointer = Checkpointer(
@@ -297,6 +277,35 @@ def _build(
         built.choices,
         ckpt,
     )
+
+
+def _meta(cfg: Config, model, dataset: Dataset, mb: int, choices) -> dict:
+    """What every checkpoint's meta.json records besides the counters."""
+    return {
+        "model": config_to_dict(model.config),  # with its "arch" (none: gpt2)
+        "tokenizer": dataset.tokenizer.identity(),
+        "data_dir": str(dataset.data_dir),
+        "micro_batch_size": mb,
+        "config": to_toml(cfg),
+        "speed_choices": recorded.record(choices, cfg.train.compile, mb),  # a resume keeps them
+    }
+
+
+def _evaluator(cfg: Config, info, dataset: Dataset, block_size: int, mb: int) -> Evaluator:
+    """The validation loss on eval.tokens of the val split and HellaSwag, at the run's micro-batch."""
+    t, e, tokenizer = cfg.train, cfg.eval, dataset.tokenizer
+    byte_lengths = torch.as_tensor(tokenizer.token_byte_lengths(), device=info.device)
+    val = ValLoss(
+        dataset,
+        seq_len=t.seq_len,
+        micro_batch_size=mb,
+        eval_tokens=e.tokens,
+        byte_lengths=byte_lengths,
+    )
+    hellaswag = task_for(
+        e.hellaswag, e.hellaswag_limit, tokenizer, block_size, mb * t.seq_len, info
+    )
+    return Evaluator(e, val, hellaswag, tokenizer, t.seed)
 
 
 def _start_logging(run: Run, cfg: Config, warnings: list[str], peak_cached: bool) -> None:
