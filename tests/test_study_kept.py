@@ -4,6 +4,7 @@ is, to `gptrain race`, the run it was: finished, with the same record; a tuning 
 read back, not trained; a kept run of another config is never copied."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -92,3 +93,50 @@ def test_kept_runs_are_files_git_keeps():
     for name in study_saved.RUN_FILES:
         done = subprocess.run(["git", "check-ignore", "-q", str(path / name)], cwd=REPO)
         assert done.returncode == 1, f"{path / name} is ignored by git"
+
+
+# A stand-in for `gptrain race`: 200 KB on stdout (more than a pipe holds), then it waits, at
+# most 30 s, for the marker that keep() writes, and prints its table only once it exists.
+WAITS_FOR_KEEP = """
+import os, sys, time
+from pathlib import Path
+marker = Path(sys.argv[1])
+Path(sys.argv[2]).write_text(str(os.getpid()))
+sys.stdout.write("x" * 200_000 + "\\n")
+sys.stdout.flush()
+deadline = time.monotonic() + 30
+while not marker.exists():
+    if time.monotonic() > deadline:
+        sys.exit(1)
+    time.sleep(0.01)
+print("| the table |")
+"""
+
+
+def test_a_race_in_progress_has_its_runs_kept_and_its_whole_output_returned(tmp_path):
+    marker, pid = tmp_path / "kept", tmp_path / "pid"
+    cmd = [sys.executable, "-c", WAITS_FOR_KEEP, str(marker), str(pid)]
+    calls = []
+
+    def keep():
+        calls.append(1)
+        marker.write_text("kept")
+
+    code, out = study_saved.run_keeping(cmd, {}, keep, every_s=0.05)
+    assert code == 0, "the race ended without keep() having run while it trained"
+    assert calls
+    assert out == "x" * 200_000 + "\n| the table |\n"
+
+
+def test_a_race_whose_keeping_fails_is_killed_not_left_running(tmp_path):
+    marker, pid = tmp_path / "never", tmp_path / "pid"
+    cmd = [sys.executable, "-c", WAITS_FOR_KEEP, str(marker), str(pid)]
+
+    def keep():
+        if pid.exists():
+            raise RuntimeError("keeping failed")
+
+    with pytest.raises(RuntimeError, match="keeping failed"):
+        study_saved.run_keeping(cmd, {}, keep, every_s=0.05)
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not waited out for 30 s
+        os.kill(int(pid.read_text()), 0)

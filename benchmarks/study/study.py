@@ -143,16 +143,16 @@ def run_race(args, cell: Cell) -> bool:
         copy_twins(args, out, ladder, arms, paths)
         print(f"study: race {cell.name}: {' '.join(cmd)}", file=sys.stderr)
         env = study_tuning.one_thread(args)
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        code, table = study_saved.run_keeping(cmd, env, lambda: keep(args))
         keep(args)
-        if done.returncode != 0:
+        if code != 0:
             raise UserError(f"the race {out} failed (its line is above); fix it and run again")
-        if not done.stdout.strip():
+        if not table.strip():
             return False
-        atomic_write_bytes(out / "table.md", done.stdout.encode())
+        atomic_write_bytes(out / "table.md", table.encode())
         for path in study_saved.save(out, args.results, cell.name, folder):
             print(f"study: kept {path}", file=sys.stderr)
-        print(f"\n## {cell.name}, {folder}\n\n{done.stdout}")
+        print(f"\n## {cell.name}, {folder}\n\n{table}")
     return True
 
 

@@ -13,6 +13,10 @@ config is the one the run would train (benchmarks/study/study_reuse.py copy_fini
     keep_run(run_dir, dest)                # one finished run's files kept in dest
     keep_runs(out, results)                # every finished run under OUT kept; the files written
     kept(out, results, run_dir)            # where the run `run_dir` of OUT is kept
+    run_keeping(cmd, env, keep)            # a race's command, `keep` called every few minutes
+
+A race's runs are kept while it trains (run_keeping), not only at its end: a machine that stops
+mid-race loses none of the race's finished runs.
 
 A race is finished when its race.json exists (gptrain race writes it at its end), a run when its
 summary.json does; a copy is written beside its destination and renamed into place, and a file
@@ -21,6 +25,8 @@ already equal is not rewritten.
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from gptrain.cache import atomic_write_bytes
@@ -29,6 +35,7 @@ RESULTS = Path(__file__).resolve().parent / "study_results"
 FILES = ("race.json", "table.md")
 RUN_FILES = ("config.toml", "summary.json", "metrics.jsonl")  # a finished run, as a race reads it
 STAGES = ("tuning", "races")  # OUT's folders of runs
+KEEP_EVERY_S = 300.0  # run_keeping's period
 
 
 def _copy(source: Path, dest: Path) -> bool:
@@ -91,3 +98,21 @@ def find(out: Path, results: Path, cell: str, race: str, name: str) -> Path | No
         if path.is_file():
             return path
     return None
+
+
+def run_keeping(
+    cmd: list[str], env: dict, keep: Callable[[], None], every_s: float = KEEP_EVERY_S
+) -> tuple[int, str]:
+    """Run `cmd` to its end, its stdout captured, calling `keep` every `every_s` seconds while it
+    runs: (exit code, stdout). Stopped (an exception here), it is killed, as subprocess.run does."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            while True:
+                try:
+                    out, _ = proc.communicate(timeout=every_s)  # a retry loses no output
+                    return proc.returncode, out
+                except subprocess.TimeoutExpired:
+                    keep()
+        except BaseException:
+            proc.kill()
+            raise
