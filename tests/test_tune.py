@@ -4,10 +4,13 @@ number of trials, and a stopped search resumes to the same trials."""
 
 import json
 import math
+import subprocess
 import sys
 
 import pytest
 from train_helpers import REPO
+
+from gptrain.distributed import watchdog
 
 sys.path.insert(0, str(REPO / "benchmarks" / "study"))
 import tune  # noqa: E402
@@ -277,3 +280,42 @@ def test_the_nanochat_arms_are_their_gpt2_twins_on_nanochats_block():
         g = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=h, n_embd=c))
         blocks = [sum(p.numel() for k, p in m.named_parameters() if ".h." in k) for m in (n, g)]
         assert blocks == [4 * 12 * c * c, 4 * (12 * c * c + 13 * c)]
+
+
+class FakeTrain:
+    """gptrain train's exit codes in turn; the run writes summary.json when it exits 0."""
+
+    def __init__(self, run_dir, codes):
+        self.run_dir, self.codes, self.calls = run_dir, list(codes), 0
+
+    def __call__(self, cmd, **kwargs):
+        self.calls += 1
+        code = self.codes.pop(0)
+        if code == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "summary.json").write_text(json.dumps({"val_loss": 3.5}))
+        return subprocess.CompletedProcess(cmd, code)
+
+
+def test_a_trial_that_hung_once_runs_again_and_gives_its_loss(tmp_path, monkeypatch):
+    run_dir = tmp_path / "baseline" / "lr=0.004"
+    fake = FakeTrain(run_dir, [watchdog.EXIT_CODE, 0])
+    monkeypatch.setattr(tune.subprocess, "run", fake)
+    assert tune.train_trial(tune.ARMS["baseline"], run_dir, []) == 3.5
+    assert fake.calls == 2
+
+
+@pytest.mark.parametrize("codes", [[watchdog.EXIT_CODE, watchdog.EXIT_CODE], [-9]])
+def test_a_trial_hung_twice_or_killed_stops_the_tuning_instead_of_counting_as_diverged(
+    tmp_path, monkeypatch, codes
+):
+    run_dir = tmp_path / "baseline" / "lr=0.004"
+    monkeypatch.setattr(tune.subprocess, "run", FakeTrain(run_dir, codes))
+    with pytest.raises(tune.Stopped, match="run the same command to continue"):
+        tune.train_trial(tune.ARMS["baseline"], run_dir, [])
+
+
+def test_a_trial_that_diverged_counts_as_infinitely_bad(tmp_path, monkeypatch):
+    run_dir = tmp_path / "baseline" / "lr=0.004"
+    monkeypatch.setattr(tune.subprocess, "run", FakeTrain(run_dir, [1]))
+    assert tune.train_trial(tune.ARMS["baseline"], run_dir, []) == math.inf

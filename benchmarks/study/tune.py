@@ -73,6 +73,7 @@ import study_saved  # noqa: E402
 from search import Axis, Search, tune  # noqa: E402, F401  (tune: the search over every arm)
 from study_cells import batch_tokens, tune_cell  # noqa: E402
 
+from gptrain.distributed.watchdog import EXIT_CODE as HUNG  # noqa: E402  (a run that hung)
 from gptrain.training.optim import beta2_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,7 +138,8 @@ ARMS = {
 
 
 class Stopped(Exception):
-    """A trial was stopped by a signal: tuning stops too, and continues next time."""
+    """A trial was stopped by a signal, or hung twice: tuning stops too, and continues next time
+    (a trial ends in a result, its val loss, or diverged: inf)."""
 
 
 def label(arm: Arm, point: tuple[float, ...]) -> str:
@@ -170,7 +172,9 @@ def train_trial(
 ) -> float:
     """One trial as `gptrain train` in a subprocess (its output to stderr, its environment `env`,
     default this one's); a finished run is read, one kept in `kept` copied back first; a trial
-    that finishes is kept there."""
+    that finishes is kept there. One that hangs (the watchdog's exit code) runs once more from
+    its checkpoint; hung twice or killed by a signal: Stopped. One that ends otherwise without
+    summary.json (diverged: its non-finite steps stopped it) is inf."""
     if kept is not None and not run_dir.exists():
         restore(arm, run_dir, overrides, kept)
     if (loss := read_loss(run_dir)) is not None:
@@ -181,10 +185,17 @@ def train_trial(
     cmd += [f"--{o}" for o in overrides] + [f"--train.seed={SEED}", f"--run.dir={run_dir}"]
     print(f"tune: {run_dir}", file=sys.stderr)
     code = subprocess.run(cmd, stdout=sys.stderr, env=env).returncode
+    if code == HUNG:  # the watchdog's "safe to restart": not a result of the trial's values
+        print(f"tune: {run_dir} hung: running it once more from its checkpoint", file=sys.stderr)
+        code = subprocess.run(cmd, stdout=sys.stderr, env=env).returncode
+        if code == HUNG:
+            raise Stopped(f"{run_dir} hung twice (see its train.log); run the same command to continue")  # fmt: skip
     if code == 2:
         raise UserError(f"gptrain train refused {run_dir}'s config (its line is above); fix it")
     if code in (130, -2):
         raise KeyboardInterrupt
+    if code < 0:
+        raise Stopped(f"{run_dir} was killed by signal {-code}; run the same command to continue")
     loss = read_loss(run_dir)
     if loss is None and code == 0:
         raise Stopped(f"{run_dir} was stopped by a signal; run the same command to continue")
