@@ -814,3 +814,41 @@ def test_with_jobs_a_runs_bad_input_stops_the_race_as_one_at_a_time(
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert line.startswith("gptrain: error: ") and "missing" in line, line
         assert "no run of the baseline" not in line and not (out / "race.json").exists()
+
+
+# A stand-in for one run's `gptrain train`: it hangs (the watchdog's exit code) while its
+# folder holds fewer than `hangs` marks, then finishes (summary.json, exit 0).
+HANGS_THEN_FINISHES = """
+import json, sys
+from pathlib import Path
+run_dir, hangs = Path(sys.argv[1]), int(sys.argv[2])
+run_dir.mkdir(parents=True, exist_ok=True)
+marks = len(list(run_dir.glob("hung_*")))
+if marks < hangs:
+    (run_dir / f"hung_{marks}").write_text("")
+    sys.exit(3)
+(run_dir / "summary.json").write_text(json.dumps({"val_loss": 1.0}))
+"""
+
+
+@pytest.mark.parametrize("hangs", [1, 2])
+def test_a_run_that_hangs_runs_once_more_and_one_that_hangs_twice_stops_the_race(
+    tmp_path, monkeypatch, capsys, hangs
+):
+    from gptrain.distributed import watchdog
+
+    assert watchdog.EXIT_CODE == 3  # the stand-in's exit code is the watchdog's
+    job = race_plan.Job("debug", 1, tmp_path / "seed_1", ())
+
+    def start(job, slot, logs):
+        cmd = [sys.executable, "-c", HANGS_THEN_FINISHES, str(job.run_dir), str(hangs)]
+        return job, subprocess.Popen(cmd), open(logs / "run.log", "a")
+
+    monkeypatch.setattr(race_cmd, "_start", start)
+    if hangs == 1:
+        assert race_cmd._run_parallel([job], ["cpu:1"], tmp_path / "logs") == {job: 0}
+        assert "seed_1 hung: running it once more from its checkpoint" in capsys.readouterr().err
+    else:
+        with pytest.raises(race_cmd.RunFailed, match="hung twice"):
+            race_cmd._run_parallel([job], ["cpu:1"], tmp_path / "logs")
+    assert len(list(job.run_dir.glob("hung_*"))) == hangs

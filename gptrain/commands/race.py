@@ -39,7 +39,7 @@ are explained in docs/race.md.
 Exit codes: 0 every run finished (or the race was stopped by a signal, to continue); 2 bad input
 (one line, nothing written), also when a run's own gptrain train refuses its input, one at a
 time or with --jobs alike (the race stops); 3 (RUN_FAILED) a run failed: it crashed, diverged,
-or ended twice without its summary.json (the race stops there), or no run of the baseline
+hung twice, or ended twice without its summary.json (the race stops there), or no run of the baseline
 finished; the runs that finished are still in race.json and the table where they suffice.
 """
 
@@ -73,6 +73,7 @@ from gptrain.commands.race_plan import (
     write_configs,
 )
 from gptrain.config.load import Config
+from gptrain.distributed.watchdog import EXIT_CODE as HUNG
 from gptrain.errors import UserError, first_line
 from gptrain.logs.plot import read_metrics
 from gptrain.logs.race import analyse, curve_from_metrics
@@ -190,11 +191,18 @@ def _run_in_process(job: Job) -> int:
 
 
 def unfinished(job: Job, code: int, again: bool) -> bool:
-    """Whether a run that exited with `code` is to run once more: it exited 0 without writing
-    summary.json, not stopped by a signal, for the first time. Stopped by a signal, or for the
+    """Whether a run that exited with `code` is to run once more: it hung (the watchdog's exit
+    code), or exited 0 without writing summary.json, not stopped by a signal, for the first time. Stopped by a signal, or for the
     second time: Stopped (the race stops, to continue next time). A run that finished although a
     signal reached it (in its last step, its final evaluation or its summary) stops the race
     too: the signal was meant for the race."""
+    if code == HUNG:  # the watchdog's exit code: safe to restart, from the run's checkpoint
+        if again:
+            raise RunFailed(
+                f"{job.run_dir} hung twice (its train.log has every thread's stack); run the same command to continue the race"
+            )
+        print(f"race: {job.run_dir} hung: running it once more from its checkpoint", file=sys.stderr)  # fmt: skip
+        return True
     if code != 0:
         return False
     runs = attempts.read(job.run_dir)
