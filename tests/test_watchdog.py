@@ -4,6 +4,7 @@ budget + 30 s with exit code 3 and one line naming rank, host, phase and time, e
 stack in train.log; the rerun equals the uninterrupted run bit for bit."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -172,6 +173,39 @@ def test_hang_in_one_of_two_ranks_exits_3_and_the_rerun_equals_an_uninterrupted_
     assert "hung: step 6" in err0 or "rank 1" in err0, err0[-3000:]
     assert checkpoint.latest(cut).name == "step_00000004"
     h.check_ok(h.wait_all(h.spawn(args(cut)), timeout=300))
+    a, b = weights(full), weights(cut)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_run_suspended_longer_than_its_budget_is_not_hung_and_trains_as_if_never_stopped(
+    byte_data, tmp_path
+):
+    """SIGSTOP for BUDGET + 5 s in a step (Ctrl-Z, a scheduler's suspend, a paused VM), then
+    SIGCONT: the watchdog counts none of it, says so once, and the run ends as the same run
+    never stopped."""
+    steps = ["train.max_steps=40", "checkpoint.every=40"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run(byte_data, full, *COMMON, *steps)
+    cmd = [sys.executable, "-m", "gptrain", "train", "--config", DEBUG, f"--data.dir={byte_data}"]
+    cmd += [f"--run.dir={cut}", *(f"--{o}" for o in [*COMMON, *steps])]
+    cmd += [f"--dist.hang_timeout_s={BUDGET}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = forked.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # a step after the first (which compiles: a longer budget)
+            if line.startswith("step 3/"):
+                break
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(BUDGET + 5)
+        os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "this process was suspended for" in err and "hung" not in err
     a, b = weights(full), weights(cut)
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -39,6 +39,8 @@ FIRST_S = 3600.0  # start-up, the first step (compile), and any phase not yet me
 MIN_S = 60.0  # auto never goes below this
 FACTOR = 10.0  # auto: this times the slowest instance seen
 BOUNDED_S = 10.0  # each expiry action (stack dump, flight recorder, ledger) gets this long
+SLACK_S = 1.0  # a wake-up later than its poll by more than this: the process was not running
+SAY_S = 5.0  # a suspension this long or longer gets a line on stderr
 
 # Each kind of work has its own budget: a first HellaSwag pass is not judged by validation's
 # time, nor a rollback's checkpoint read by a save's. upload: waiting for the mirror at the end.
@@ -66,7 +68,12 @@ class Watchdog:
         self.fixed = parse(setting)
         self.enabled = self.fixed != 0
         self._clock = clock
-        self._now = ("start", None, clock())  # (phase, step, since): replaced in one assignment
+        self._paused = 0.0  # seconds this process was suspended, summed (_suspended)
+        self._poll = 1.0 if self.fixed is None else min(1.0, max(0.05, (self.fixed or 1) / 10))
+        self._woke = 0.0  # the clock at the watchdog thread's last wake-up (or a phase's entry)
+        self._lock = threading.Lock()
+        # (phase, step, since, _paused then): replaced in one assignment
+        self._now = ("start", None, clock(), 0.0)
         self.born = time.time()  # wall-clock start of this process's accounting (the ledger's)
         self._first_step = None  # the step number of this process's first step (it compiles)
         self.slowest: dict[str, float] = {}  # phase -> slowest completed instance (auto budgets)
@@ -78,6 +85,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         if self.enabled:
+            self._woke = self._clock()
             self._thread = threading.Thread(
                 target=self._watch, name="gptrain-watchdog", daemon=True
             )
@@ -98,11 +106,14 @@ class Watchdog:
     def enter(self, phase: str | None, step: int | None = None) -> None:
         """The loop enters `phase` (None: nothing is watched) and leaves the current one."""
         now = self._clock()
-        left, left_step, since = self._now
-        self._now = (phase, step, now)
+        if self._thread is not None:
+            self._suspended(now)
+        paused = self._paused
+        left, left_step, since, paused_then = self._now
+        self._now = (phase, step, now, paused)
         if left is None:
             return
-        spent = now - since
+        spent = now - since - (paused - paused_then)
         self.totals[left] = self.totals.get(left, 0.0) + spent
         self.counts[left] = self.counts.get(left, 0) + 1
         if left == "step" and left_step == self._first_step:
@@ -122,15 +133,35 @@ class Watchdog:
         return max(MIN_S, FACTOR * self.slowest[phase])
 
     def _watch(self) -> None:
-        poll = 1.0 if self.fixed is None else min(1.0, max(0.05, self.fixed / 10))
-        while not self._stop.wait(poll):
-            phase, step, since = self._now
+        """Wakes every `poll` s. A wake-up much later than that means the whole process was not
+        running (SIGSTOP: Ctrl-Z, a scheduler's suspend such as Slurm's; a paused VM): that time
+        is no phase's, and the phase's budget is not spent by it. A hung step leaves this thread
+        waking on time."""
+        while not self._stop.wait(self._poll):
+            now = self._clock()
+            self._suspended(now)
+            phase, step, since, paused_then = self._now
             if phase is None:
                 continue
-            elapsed, budget = self._clock() - since, self.budget(phase, step)
+            elapsed = now - since - (self._paused - paused_then)
+            budget = self.budget(phase, step)
             if elapsed > budget:
                 self._expire(phase, step, elapsed, budget)
                 return
+
+    def _suspended(self, now: float) -> None:
+        """Account the time since the watchdog thread last woke beyond its poll (and SLACK_S) as
+        suspended: the thread wakes on time unless the process stops running. Called by the
+        thread at each wake-up and by enter(), whichever sees the gap first (the other then sees
+        none)."""
+        with self._lock:
+            late = now - self._woke - self._poll
+            self._woke = max(self._woke, now)
+            if late <= SLACK_S:
+                return
+            self._paused += late
+        if late >= SAY_S:
+            print(f"gptrain: rank {self.rank}: this process was suspended for {late:.0f} s; the hang watchdog does not count it", file=sys.stderr, flush=True)  # fmt: skip
 
     def _expire(self, phase: str, step: int | None, elapsed: float, budget: float) -> None:
         what = {
