@@ -11,6 +11,10 @@ time spent in the current phase with that phase's budget:
   and, under auto, the first instance of any phase: FIRST_S (1 h) or the number, if more;
 - 0: no thread at all.
 
+Time the whole process was not running (SIGSTOP, a scheduler's suspend, a paused VM) is no
+phase's: the thread wakes every poll, and a wake-up later than that by over SLACK_S is counted
+as suspended (`_suspended`), outside every budget and every phase's measured time.
+
 A step covers everything from the top of one loop iteration to the next, except the saves and
 evals it marks; on a GPU, a step's device work is waited for on logging steps (their `.item()`),
 so the slowest steps seen are logging steps and their budget covers the queue draining.
