@@ -209,3 +209,27 @@ def test_a_run_suspended_longer_than_its_budget_is_not_hung_and_trains_as_if_nev
     a, b = weights(full), weights(cut)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_two_ranks_suspended_together_are_not_hung(byte_data, tmp_path):
+    """Both ranks SIGSTOPped for BUDGET + 5 s in a step (a scheduler suspends the whole job), then
+    SIGCONTed: each says it was suspended, neither is hung, and the run finishes. (That a
+    suspension leaves the training itself alone, bit for bit, the one-process test shows.)"""
+    steps = ["--train.max_steps=40", "--checkpoint.every=40"]
+    cut = tmp_path / "cut"
+    argv = ["-m", "gptrain", "train", "--config", h.DEBUG, f"--data.dir={byte_data}", f"--run.dir={cut}", "--train.micro_batch_size=4", *(f"--{o}" for o in COMMON), *steps, f"--dist.hang_timeout_s={BUDGET}"]  # fmt: skip
+    procs = h.spawn(argv)
+    for line in procs[0].stdout:  # a step after the first (which compiles: a longer budget)
+        if line.startswith("step 3/"):
+            break
+    for p in procs:
+        os.kill(p.pid, signal.SIGSTOP)
+    time.sleep(BUDGET + 5)
+    for p in procs:
+        os.kill(p.pid, signal.SIGCONT)
+    results = h.wait_all(procs, timeout=300)
+    h.check_ok(results)
+    for rank, (_, _, err) in enumerate(results):
+        assert f"rank {rank}: this process was suspended for" in err and "hung" not in err
+    assert checkpoint.latest(cut).name == "step_00000040"
