@@ -86,10 +86,10 @@ def _timer(cfg, info: dist.DistInfo, built, batching: tuple[int, int], vocab: in
         return batches[next(counter) % len(batches)]
 
     def run_steps(n: int, sync: bool) -> None:
+        clip = cfg.optim.grad_clip
         for _ in range(n):
-            grad_clip = cfg.optim.grad_clip
             train_step(
-                wrapped, model, optimizer, scaler, next_batch, accum, autocast, grad_clip, sync=sync
+                wrapped, model, optimizer, scaler, next_batch, accum, autocast, clip, sync=sync
             )
 
     def timed(n: int, sync: bool) -> float:

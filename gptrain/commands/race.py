@@ -39,8 +39,9 @@ are explained in docs/race.md.
 Exit codes: 0 every run finished (or the race was stopped by a signal, to continue); 2 bad input
 (one line, nothing written), also when a run's own gptrain train refuses its input, one at a
 time or with --jobs alike (the race stops); 3 (RUN_FAILED) a run failed: it crashed, diverged,
-hung twice, or ended twice without its summary.json (the race stops there), or no run of the baseline
-finished; the runs that finished are still in race.json and the table where they suffice.
+hung twice, or ended twice without its summary.json (the race stops there), or no run of the
+baseline finished; the runs that finished are still in race.json and the table where they
+suffice.
 """
 
 from __future__ import annotations
@@ -192,10 +193,11 @@ def _run_in_process(job: Job) -> int:
 
 def unfinished(job: Job, code: int, again: bool) -> bool:
     """Whether a run that exited with `code` is to run once more: it hung (the watchdog's exit
-    code), or exited 0 without writing summary.json, not stopped by a signal, for the first time. Stopped by a signal, or for the
-    second time: Stopped (the race stops, to continue next time). A run that finished although a
-    signal reached it (in its last step, its final evaluation or its summary) stops the race
-    too: the signal was meant for the race."""
+    code), or exited 0 without writing summary.json, not stopped by a signal, for the first time.
+    Stopped by a signal, or for the second time: Stopped (the race stops, to continue next
+    time); hung twice: RunFailed. A run that finished although a signal reached it (in its last
+    step, its final evaluation or its summary) stops the race too: the signal was meant for the
+    race."""
     if code == HUNG:  # the watchdog's exit code: safe to restart, from the run's checkpoint
         if again:
             raise RunFailed(

@@ -73,7 +73,7 @@ class Watchdog:
         self.enabled = self.fixed != 0
         self._clock = clock
         self._paused = 0.0  # seconds this process was suspended, summed (_suspended)
-        self._poll = 1.0 if self.fixed is None else min(1.0, max(0.05, (self.fixed or 1) / 10))
+        self._poll = 1.0 if self.fixed is None else min(1.0, max(0.05, self.fixed / 10))
         self._woke = 0.0  # the clock at the watchdog thread's last wake-up (or a phase's entry)
         self._lock = threading.Lock()
         # (phase, step, since, _paused then): replaced in one assignment
