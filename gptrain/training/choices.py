@@ -191,7 +191,13 @@ def decide(
     native = limits.bf16_native(here)
     no_bf16 = limits.no_bf16(here, cuda)
     if muon_dtype == "bfloat16" and not native:
-        muon_dtype = _muon_bf16_emulated(here, cuda, no_bf16, kept, again, out)
+        why = no_bf16.split(": ", 1)[1] if here else "compute capability < 8.0" if cuda else f"a bf16 matmul measured {out.bf16_ratio:.1f}x float32's time"  # fmt: skip
+        if "muon_dtype" not in kept:
+            raise UserError(
+                f"optim.muon_dtype = 'bfloat16' but this device computes bf16 only by emulation ({why}); use optim.muon_dtype=float32 or auto"
+            )
+        again["muon_dtype"] = (kept.pop("muon_dtype"), f"bf16 is emulated: {why}")
+        muon_dtype = out.muon_dtype = "auto"
     dtypes = _dtype_candidates("bfloat16" if ruled else dtype, cuda, native, fsdp, out)
     kernels = _kernel_candidates(attention, shapes, out)
     _decide_block(device, shapes, dtypes, kernels, measure, out, asked=(dtype, attention))
@@ -201,32 +207,13 @@ def decide(
     _decide_muon(device, shapes, muon_dtype, native, measure, out, no_bf16)
     _decide_loss(device, shapes, loss, compiled and not fsdp, measure, out, no_room)
     fp8.decide(device, shapes, float8, out.dtype, compiled, fsdp, measure, out, _pick, GPU_BLOCK_FLOPS, limits)  # fmt: skip
-    _say_how(measure, kept, again, out)
-    measure.save_unless_crowded(timer, cuda)
-    out.seconds = time.perf_counter() - start
-    return out
-
-
-def _say_how(measure, kept: dict, again: dict, out: Choices) -> None:
-    """out.how where every timing came from the cache ("cached") or a resumed checkpoint kept the
-    choice ("checkpoint"), and the lines for recorded choices decided again."""
     if measure.hits and all(measure.hits):
         out.how = {k: v.replace("measured", "cached") for k, v in out.how.items()}
     out.how.update(dict.fromkeys(kept, "checkpoint"))
     out.warnings += recorded_choices.again_lines(out.decisions(), again)
-
-
-def _muon_bf16_emulated(here, cuda: bool, no_bf16: str, kept: dict, again: dict, out) -> str:
-    """optim.muon_dtype = bfloat16 where bf16 is emulated: a UserError when the config asked for
-    it; a resumed run's recorded bfloat16 is decided again (auto), with a line saying why."""
-    why = no_bf16.split(": ", 1)[1] if here else "compute capability < 8.0" if cuda else f"a bf16 matmul measured {out.bf16_ratio:.1f}x float32's time"  # fmt: skip
-    if "muon_dtype" not in kept:
-        raise UserError(
-            f"optim.muon_dtype = 'bfloat16' but this device computes bf16 only by emulation ({why}); use optim.muon_dtype=float32 or auto"
-        )
-    again["muon_dtype"] = (kept.pop("muon_dtype"), f"bf16 is emulated: {why}")
-    out.muon_dtype = "auto"
-    return "auto"
+    measure.save_unless_crowded(timer, cuda)
+    out.seconds = time.perf_counter() - start
+    return out
 
 
 def _bf16_native(device: str, cuda: bool, wants_bf16: bool, measure, out: Choices) -> bool:
