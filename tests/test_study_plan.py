@@ -79,7 +79,7 @@ def test_the_plan_counts_each_tuning_and_race_at_its_blocks_speed(tmp_path):
     ]
     large = rows[0]["cell"]
     gpt2, nano = run_seconds(large, speeds["large"]), run_seconds(large, speeds["large/nanochat"])
-    assert rows[0]["runs"] == "60 (+ up to 80)"  # 5 arms x 12 trials, up to 16 more each
+    assert rows[0]["runs"] == "60 (+ up to 140)"  # 5 arms x 12 trials, up to 28 more each
     assert rows[0]["s"] == pytest.approx(12 * (3 * gpt2 + 2 * nano), rel=1e-12)
     # every seed: the baseline's 3 rungs and the ablation; the recipe's 4 rungs (its baseline
     # copied); nanochat's 4 rungs (its recipe copied); nanochat_adamw (the baseline's rungs copied)

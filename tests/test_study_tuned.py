@@ -40,6 +40,7 @@ POINTS = {
         "lr": math.sqrt(4e-3 * math.sqrt(4e-3 * 8e-3)),
         "decay_fraction": 0.3,
         "warmup_share": tune.WARMUP_START + 0.025,
+        "embed_lr_factor": 2**0.5,
     },
     "nanochat": {
         "muon_lr": 0.02 * 2**0.25,

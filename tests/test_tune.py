@@ -217,7 +217,7 @@ def test_the_baselines_freedoms_are_axes_of_both_adamw_arms():
     """beta2 takes 0.95 and the value keeping 0.95's half-life in tokens at 2^19-token steps at
     the study's batch (computed here from the half-life); the embeddings' lr is a factor of lr
     by powers of 2, optim.embed_lr = factor x lr (1: 0, which means lr); the ablation searches
-    its warmup share too."""
+    its warmup share and the embeddings' lr too (the recipe's AdamW lr is theirs alone)."""
     from gptrain.config.load import load_config
 
     batch = load_config(str(REPO / "configs/study_baseline.toml")).train.total_batch_size
@@ -229,7 +229,12 @@ def test_the_baselines_freedoms_are_axes_of_both_adamw_arms():
         assert axes["beta2"].choices == pytest.approx((0.95, kept), rel=1e-12)
         assert (axes["embed_lr_factor"].center, axes["embed_lr_factor"].step) == (1.0, 2.0)
         assert axes["warmup_share"].scale == "lin"
-    assert "warmup_share" in [a.name for a in tune.ARMS["ablation"].axes]
+    ablation = {a.name: a for a in tune.ARMS["ablation"].axes}
+    assert ablation["warmup_share"].scale == "lin"
+    assert (ablation["embed_lr_factor"].center, ablation["embed_lr_factor"].step) == (1.0, 2.0)
+    arm = tune.ARMS["ablation"]
+    point = {"lr": 4e-3, "decay_fraction": 0.4, "warmup_share": 0.0, "embed_lr_factor": 0.5}
+    assert load_config(str(REPO / arm.config), arm.overrides(point, 500)).optim.embed_lr == 2e-3
     arm = tune.ARMS["baseline"]
     point = {"lr": 2e-3, "warmup_share": 0.05, "weight_decay": 0.1, "final_lr_ratio": 0.1}
     point |= {"beta2": kept, "embed_lr_factor": 4.0}

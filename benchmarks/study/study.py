@@ -14,7 +14,7 @@ nanochat_adamw), --tuned FILE (the tuning cell's points from a record such as
 benchmarks/study/study_tuned.toml instead of tuning it), --cells small-1x,large-1x,small-4x (a kind on
 every corpus, or one cell: code-small-4x), --tune-cells (cells tuned at their own size and steps:
 benchmarks/study/study_tuning.py), --seeds 3, --baseline-ladder 0.5,1,2, --recipe-ladder
-0.125,0.25,0.5,1, --budget 12 (tuning trials per arm), --cap 16, --results DIR (where finished
+0.125,0.25,0.5,1, --budget 12 (tuning trials per arm), --cap 28, --results DIR (where finished
 races are kept, default benchmarks/study/study_results), report --save, --jobs 2 (one-thread runs at a
 time: in tuning, with two corpora the corpora side by side, with one its arms; in the races, one
 cell at a time, its runs side by side. On 2 cores two one-thread runs of these small models do
@@ -289,7 +289,7 @@ def parse_args(argv: list[str]):
     ap.add_argument("--baseline-ladder", default="0.5,1,2", help="the baseline's step multiples")
     ap.add_argument("--recipe-ladder", default="0.125,0.25,0.5,1", help="the recipe's")
     ap.add_argument("--budget", type=int, default=12, help="tuning trials per arm")
-    ap.add_argument("--cap", type=int, default=16, help="extra trials to leave a grid's edge")
+    ap.add_argument("--cap", type=int, default=28, help="extra trials to leave a grid's edge")
     ap.add_argument("--tuned", type=Path, default=None, help="run: the tuning cell's points from this record (benchmarks/study/study_tuned.toml), not tuned again")  # fmt: skip
     ap.add_argument("--results", type=Path, default=study_saved.RESULTS, help="where finished races (race.json, table.md) and runs (finished_runs/) are kept")  # fmt: skip
     ap.add_argument("--save", action="store_true", help="report: first keep OUT's finished races and runs in --results")  # fmt: skip

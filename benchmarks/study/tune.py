@@ -2,7 +2,7 @@
 trials of one seed on the tuning split, by the same search rule.
 
     python benchmarks/study/tune.py --data.dir=data/study/prose-tune --out tuning/prose [--budget 16]
-        [--arms baseline,recipe,ablation,nanochat,nanochat_adamw] [--cap 16] [--jobs 1]
+        [--arms baseline,recipe,ablation,nanochat,nanochat_adamw] [--cap 28] [--jobs 1]
         [--kept DIR] [--section.key=value ...]
 
 The arms and what each searches (its config's values are the search's starting point):
@@ -15,7 +15,8 @@ The arms and what each searches (its config's values are the search's starting p
     recipe          configs/study_recipe.toml (Muon + wsd): Muon lr x AdamW lr x decay share
     ablation        configs/study_ablation.toml (AdamW with the recipe's wsd, lr and no weight
                     decay): lr x decay share x warmup share (starting at the recipe's 2 steps of
-                    the tuning cell's 976, WARMUP_START)
+                    the tuning cell's 976, WARMUP_START) x embed_lr_factor (the recipe's AdamW
+                    lr for the embeddings is its own: the ablation may differ from it only by Muon)
     nanochat        configs/study_nanochat.toml (the recipe on nanochat's block): as the recipe
                     x head_lr_factor (the untied head's lr, optim.head_lr, as a factor of the
                     embedding's by powers of 2: nanochat gives the two lrs 75x apart)
@@ -130,6 +131,7 @@ ARMS = {
             Axis("lr", 8e-3, 2.0),
             Axis("decay_fraction", 0.4, 0.2, "lin", 0.1, 1.0),
             Axis("warmup_share", WARMUP_START, 0.05, "lin", 0.0, 0.5),
+            Axis("embed_lr_factor", 1.0, 2.0),  # the recipe's two lrs, as the baseline has
         ),
     ),
     "nanochat": Arm("configs/study_nanochat.toml", (*MUON_AXES, HEAD_AXIS)),
@@ -206,7 +208,7 @@ def train_trial(
 
 def parse_args(argv: list[str]) -> dict:
     """tune.py's own flags; the rest are `--section.key=value` overrides of every trial."""
-    own = {"out": None, "budget": "16", "cap": "16", "arms": ",".join(ARMS), "jobs": "1"}
+    own = {"out": None, "budget": "16", "cap": "28", "arms": ",".join(ARMS), "jobs": "1"}
     own["kept"] = ""
     rest, i = [], 0
     while i < len(argv):
